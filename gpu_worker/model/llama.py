@@ -1,0 +1,108 @@
+"""Llama-family decoder: RMSNorm, RoPE, GQA attention over a paged KV cache, SwiGLU MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.batch import ForwardBatch
+from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.model.config import ModelConfig
+from kernels.attention import paged_decode_attention, paged_prefill_attention
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections stacked: one matmul
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections stacked
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, dim]; cos/sin: [T, dim]; rotate-half convention (HF layout)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = [self._layer(w, f"model.layers.{i}.", config.qkv_bias) for i in range(config.num_layers)]
+        self.cos, self.sin = rope_tables(config, device)
+
+    @staticmethod
+    def _layer(w, prefix: str, bias: bool) -> LayerWeights:
+        attn = prefix + "self_attn."
+        return LayerWeights(
+            input_norm=w(prefix + "input_layernorm.weight"),
+            qkv=torch.cat([w(attn + "q_proj.weight"), w(attn + "k_proj.weight"), w(attn + "v_proj.weight")]),
+            qkv_bias=torch.cat([w(attn + "q_proj.bias"), w(attn + "k_proj.bias"), w(attn + "v_proj.bias")]) if bias else None,
+            o_proj=w(attn + "o_proj.weight"),
+            post_norm=w(prefix + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([w(prefix + "mlp.gate_proj.weight"), w(prefix + "mlp.up_proj.weight")]),
+            down=w(prefix + "mlp.down_proj.weight"),
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Runs every token of the batch; returns fp32 logits of the sampled positions [S, vocab]."""
+        hidden = self.embed[batch.input_ids]
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        for index, layer in enumerate(self.layers):
+            hidden = hidden + self._attention(index, layer, rms_norm(hidden, layer.input_norm, self.config.rms_eps), cos, sin, batch, cache)
+            hidden = hidden + self._mlp(layer, rms_norm(hidden, layer.post_norm, self.config.rms_eps))
+        last = rms_norm(hidden[batch.sample_index], self.norm, self.config.rms_eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _attention(
+        self, index: int, layer: LayerWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch, cache: PagedKVCache
+    ) -> torch.Tensor:
+        c = self.config
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        cache.write(index, batch.write_slots, k, v.reshape(-1, c.num_kv_heads, c.head_dim))
+        k_cache, v_cache = cache.layer(index)
+        out = torch.empty_like(q)
+        if batch.decode_index.numel():
+            out[batch.decode_index] = paged_decode_attention(
+                q[batch.decode_index], k_cache, v_cache, batch.decode_ctx_slots, batch.decode_ctx_lens
+            )
+        for span in batch.prefills:
+            out[span.start : span.end] = paged_prefill_attention(q[span.start : span.end], k_cache, v_cache, span.ctx_slots)
+        return F.linear(out.view(-1, c.q_size), layer.o_proj)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)

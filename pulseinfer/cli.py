@@ -1,0 +1,75 @@
+"""`pulseinfer` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pulseinfer.flags import add_flags, from_flags
+
+MODES = ("dense",)
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt with the in-process engine")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-file", type=Path, help="file holding the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--mode", choices=MODES, default="dense", help="attention mode")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[], help="stop token id (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    from pulseinfer.engine import EngineConfig
+    from scheduler.request import SamplingParams
+
+    add_flags(p, SamplingParams, skip=("stop", "stop_token_ids"))
+    add_flags(p, EngineConfig)
+    p.set_defaults(handler=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pulseinfer.engine import Engine, EngineConfig
+    from scheduler.request import SamplingParams
+
+    text = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
+    params = from_flags(SamplingParams, args)
+    params = SamplingParams(**{**params.__dict__, "stop": tuple(args.stop), "stop_token_ids": tuple(args.stop_token_ids)})
+    engine = Engine(from_flags(EngineConfig, args))
+    tok = engine.tokenizer
+    prompt_ids = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
+    (completion,) = engine.generate([prompt_ids], params)
+    if args.json:
+        print(json.dumps(completion.to_json()))
+    else:
+        print(completion.text)
+    return 0
+
+
+def _read_prompt(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read prompt file {path}: {e.strerror}") from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pulseinfer", description="PulseInfer: sparse KV-cache offloading for long-context decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, RuntimeError) as e:  # load errors, bad parameters, requests that cannot fit
+        print(f"pulseinfer: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""In-process engine: the scheduler's batcher driving a local model runner.
+
+The same receive -> schedule -> forward -> finish loop the services run across processes,
+without the sockets; used by `pulseinfer generate`, the evals and the tests.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from gpu_worker.model.loader import LoadedModel, load_model
+from gpu_worker.runner import ModelRunner, WorkerConfig
+from gpu_worker.tokenizer import TextStream
+from kv_store.allocator import BlockAllocator
+from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
+from scheduler.request import FinishReason, SamplingParams, Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # GGUF file or HF directory; default: SmolLM2-135M-Instruct
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+
+
+@dataclass
+class Completion:
+    seq_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+        }
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        started = time.perf_counter()
+        self.config = config
+        self.loaded = loaded or load_model(config.model)
+        self.tokenizer = self.loaded.tokenizer
+        self.runner = ModelRunner(self.loaded, config.worker)
+        spec = self.runner.cache_spec
+        self.allocator = BlockAllocator(spec.num_blocks)
+        limits = ModelLimits(self.loaded.config.max_position, self.tokenizer.eos_id, spec.block_size)
+        self.batcher = Batcher(config.batcher, limits, self.allocator)
+        self._streams: dict[str, TextStream] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self.load_seconds = time.perf_counter() - started
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
+        params.validate(self.loaded.config.vocab_size)
+        bad = [t for t in prompt_ids if not 0 <= t < self.loaded.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary range: {bad[:4]}")
+        seq_id = seq_id or uuid.uuid4().hex
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq = Sequence(seq_id, list(prompt_ids), params, seed)
+        self.batcher.add(seq)
+        self._seqs[seq_id] = seq
+        self._streams[seq_id] = TextStream(self.tokenizer, params.stop, prompt_ids)
+        return seq_id
+
+    def step(self) -> list[Completion]:
+        """One batched forward; returns the requests that finished in it."""
+        plan = self.batcher.schedule()
+        if plan is None:
+            return []
+        finished = self.batcher.commit(plan, self.runner.execute(plan))
+        for chunk in plan.chunks:
+            seq = self._seqs.get(chunk.seq_id)
+            if chunk.sampling is not None and seq is not None and seq not in finished:
+                stream = self._streams[seq.seq_id]
+                stream.update(seq.output_ids)
+                if stream.stopped:
+                    finished.append(self.batcher.abort(seq.seq_id, FinishReason.STOP))
+        return [self._complete(seq) for seq in finished]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.submit(p, sp) for p, sp in zip(prompts, all_params)]
+        done: dict[str, Completion] = {}
+        while len(done) < len(ids):
+            for completion in self.step():
+                done[completion.seq_id] = completion
+        return [done[i] for i in ids]
+
+    def _complete(self, seq: Sequence) -> Completion:
+        stream = self._streams.pop(seq.seq_id)
+        del self._seqs[seq.seq_id]
+        if not stream.stopped:
+            stream.update(seq.output_ids)
+            stream.flush()
+        return Completion(seq.seq_id, stream.emitted, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason.value)

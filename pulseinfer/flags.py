@@ -1,0 +1,54 @@
+"""CLI flags derived from frozen config dataclasses: one field, one `--flag`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _plain_type(hint: Any) -> type:
+    """int | None -> int; bool/int/float/str pass through."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return inner
+    return hint
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Adds a flag per field of cls (recursing into nested config dataclasses)."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            add_flags(parser, hint, skip)
+            continue
+        if field.name in skip:
+            continue
+        kind = _plain_type(hint)
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        if kind is bool:
+            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(_flag(field.name), type=kind, default=default, help=f"(default: {default})")
+
+
+def from_flags(cls: type[T], args: argparse.Namespace) -> T:
+    """Builds cls (and its nested configs) from parsed flags; fields without a flag keep defaults."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            values[field.name] = from_flags(hint, args)
+        elif hasattr(args, field.name):
+            values[field.name] = getattr(args, field.name)
+    return cls(**values)

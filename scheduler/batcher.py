@@ -1,0 +1,188 @@
+"""Continuous batching: every step decodes all running sequences and fills the rest of the
+token budget with prefill chunks (of running sequences first, then of waiting ones, FCFS).
+
+Pure Python, no I/O: the scheduler process and the in-process engine drive the same code.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from kv_store.allocator import BlockAllocator
+from scheduler.plan import Chunk, SampledToken, StepPlan
+from scheduler.request import FinishReason, SeqStatus, Sequence
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class RequestTooLarge(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    max_batch_size: int = 64  # sequences decoded together
+    prefill_chunk: int = 512  # prefill tokens per step
+    max_waiting: int = 1024  # bounded queue: beyond this, new requests are refused
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_position: int
+    eos_id: int | None
+    block_size: int
+
+
+class Batcher:
+    def __init__(self, config: BatcherConfig, limits: ModelLimits, allocator: BlockAllocator):
+        self.config = config
+        self.limits = limits
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._step_ids = itertools.count()
+
+    # ------------------------------------------------------------ admission
+
+    def check_fits(self, prompt_len: int) -> None:
+        if prompt_len < 1:
+            raise RequestTooLarge("the prompt is empty")
+        if prompt_len >= self.limits.max_position:
+            raise RequestTooLarge(f"prompt of {prompt_len} tokens leaves no room in the model's context of {self.limits.max_position}")
+        capacity = self.allocator.num_blocks * self.limits.block_size
+        if prompt_len + 1 > capacity:
+            raise RequestTooLarge(f"prompt of {prompt_len} tokens exceeds the device KV pool of {capacity} tokens")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(len(seq.prompt_ids))
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests already waiting")
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self._finish(seq, reason)
+                    return seq
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------ one step
+
+    def schedule(self) -> StepPlan | None:
+        chunks = self._decode_chunks()
+        budget = self.config.prefill_chunk
+        for seq in [s for s in self.running if s.in_prefill]:
+            if budget <= 0:
+                break
+            chunk = self._prefill_chunk(seq, budget)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget -= len(chunk.token_ids)
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_batch_size:
+            chunk = self._prefill_chunk(self.waiting[0], budget)
+            if chunk is None:
+                break
+            seq = self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(chunk)
+            budget -= len(chunk.token_ids)
+        return StepPlan(next(self._step_ids), tuple(chunks)) if chunks else None
+
+    def commit(self, plan: StepPlan, sampled: list[SampledToken]) -> list[Sequence]:
+        """Applies a step's results; returns the sequences that finished in it."""
+        by_id = {s.seq_id: s for s in self.running}
+        for chunk in plan.chunks:
+            if chunk.seq_id in by_id:  # absent when aborted while the step ran
+                by_id[chunk.seq_id].num_cached = chunk.end_pos
+        finished = []
+        for token in sampled:
+            seq = by_id.get(token.seq_id)
+            if seq is None:
+                continue
+            seq.output_ids.append(token.token_id)
+            reason = self._finish_reason(seq, token.token_id)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    # ------------------------------------------------------------ internals
+
+    def _decode_chunks(self) -> list[Chunk]:
+        chunks = []
+        for seq in list(self.running):
+            if seq.in_prefill or seq.status is not SeqStatus.RUNNING:
+                continue
+            if not self._reserve(seq, seq.length):
+                continue  # seq itself was preempted
+            chunks.append(self._chunk(seq, seq.length - 1, seq.length))
+        return chunks
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk | None:
+        end = min(seq.length, seq.num_cached + budget)
+        if not self._grow(seq, end):
+            return None
+        return self._chunk(seq, seq.num_cached, end)
+
+    def _chunk(self, seq: Sequence, start: int, end: int) -> Chunk:
+        return Chunk(
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.all_ids[start:end]),
+            start_pos=start,
+            block_table=tuple(self.allocator.blocks_of(seq.seq_id)),
+            sampling=seq.sampling_spec() if end == seq.length else None,
+        )
+
+    def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
+        have = len(self.allocator.blocks_of(seq.seq_id))
+        return max(0, -(-tokens // self.limits.block_size) - have)
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        need = self._blocks_needed(seq, tokens)
+        if not self.allocator.can_allocate(need):
+            return False
+        self.allocator.allocate(seq.seq_id, need)
+        return True
+
+    def _reserve(self, seq: Sequence, tokens: int) -> bool:
+        """Grows a decoding sequence, preempting the newest others (recompute later) if needed."""
+        while not self._grow(seq, tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.release(seq.seq_id)
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (token == self.limits.eos_id and not p.ignore_eos):
+            return FinishReason.STOP
+        if len(seq.output_ids) >= p.max_tokens or seq.length >= self.limits.max_position:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.allocator.release(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

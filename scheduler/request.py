@@ -1,0 +1,83 @@
+"""Requests as the scheduler sees them: sampling parameters and per-sequence decode state."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from scheduler.plan import SamplingSpec
+
+MAX_STOP_STRINGS = 16
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises ValueError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids out of vocabulary range [0, {vocab_size}): {bad[:4]}")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or one drawn at admission so retries stay reproducible
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose KV is in the device pool
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < self.length - 1
+
+    def sampling_spec(self) -> SamplingSpec:
+        p = self.params
+        return SamplingSpec(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=self.seed, step=len(self.output_ids))
