@@ -13,7 +13,8 @@ from scheduler.plan import StepPlan
 class PrefillSpan:
     start: int  # index of the chunk's first token in the flat batch
     end: int
-    ctx_slots: torch.Tensor  # [ctx_len] slots of every context position up to the chunk's end
+    ctx_blocks: torch.Tensor  # blocks holding context positions 0 .. ctx_len-1
+    ctx_len: int
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T] where each token's k/v goes
     decode_index: torch.Tensor  # [b] flat index of the single token of each decode chunk
-    decode_ctx_slots: torch.Tensor  # [b, max_ctx]
+    decode_block_tables: torch.Tensor  # [b, max_blocks]
     decode_ctx_lens: torch.Tensor  # [b]
     prefills: tuple[PrefillSpan, ...]
     sample_index: torch.Tensor  # [S] flat index of the tokens whose logits are sampled
@@ -42,7 +43,7 @@ def context_slots(block_table: tuple[int, ...], length: int, block_size: int) ->
 
 def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> ForwardBatch:
     input_ids, positions, write_slots, sample_index = [], [], [], []
-    decode_index, decode_slots, decode_lens, prefills = [], [], [], []
+    decode_index, decode_tables, decode_lens, prefills = [], [], [], []
     offset = 0
     for chunk in plan.chunks:
         n = len(chunk.token_ids)
@@ -50,12 +51,13 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Forwar
         input_ids.extend(chunk.token_ids)
         positions.append(torch.arange(chunk.start_pos, chunk.end_pos))
         write_slots.append(ctx_slots[chunk.start_pos :])
+        blocks = torch.tensor(chunk.block_table[: -(-chunk.end_pos // block_size)], dtype=torch.long)
         if n == 1:
             decode_index.append(offset)
-            decode_slots.append(ctx_slots)
+            decode_tables.append(blocks)
             decode_lens.append(chunk.end_pos)
         else:
-            prefills.append(PrefillSpan(offset, offset + n, ctx_slots.to(device)))
+            prefills.append(PrefillSpan(offset, offset + n, blocks.to(device), chunk.end_pos))
         offset += n
         if chunk.sampling is not None:
             sample_index.append(offset - 1)
@@ -68,15 +70,15 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Forwar
         positions=torch.cat(positions).to(device),
         write_slots=torch.cat(write_slots).to(device),
         decode_index=to(decode_index),
-        decode_ctx_slots=_pad_slots(decode_slots).to(device),
+        decode_block_tables=_pad_tables(decode_tables).to(device),
         decode_ctx_lens=to(decode_lens),
         prefills=tuple(prefills),
         sample_index=to(sample_index),
     )
 
 
-def _pad_slots(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Pads each row with its own first slot, so padding never points at unwritten memory."""
+def _pad_tables(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Pads each row with its own first block, so padding never points at unwritten memory."""
     width = max((len(r) for r in rows), default=0)
     padded = torch.empty(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):

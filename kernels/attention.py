@@ -1,6 +1,9 @@
-"""Paged attention over a flat slot-indexed KV cache (torch reference implementation).
+"""Paged attention over a block-indexed KV cache (torch reference implementation).
 
-Cache layout per layer: [num_slots, kv_heads, head_dim]; slot = block * block_size + offset.
+Cache layout per layer: [num_blocks * block_size, kv_heads, head_dim], so a block is one
+contiguous range of block_size * kv_heads * head_dim values and context is gathered a
+whole block at a time (far faster than per-token rows) into a reused workspace (fresh
+multi-MB buffers per layer cost more in page faults than the copy itself).
 """
 
 from __future__ import annotations
@@ -9,45 +12,79 @@ import torch
 import torch.nn.functional as F
 
 
+class GatherWorkspace:
+    """Grow-only K and V buffers for gathered context blocks."""
+
+    def __init__(self) -> None:
+        self._k = torch.empty(0)
+        self._v = torch.empty(0)
+
+    def buffers(self, rows: int, row_size: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = rows * row_size
+        if self._k.numel() < need or self._k.dtype != like.dtype or self._k.device != like.device:
+            self._k = torch.empty(need, dtype=like.dtype, device=like.device)
+            self._v = torch.empty(need, dtype=like.dtype, device=like.device)
+        return self._k[:need].view(rows, row_size), self._v[:need].view(rows, row_size)
+
+
+def gather_blocks(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, block_size: int, workspace: GatherWorkspace
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the given blocks: [*blocks.shape[:-1], blocks.shape[-1] * block_size, kv_heads, dim]."""
+    heads, dim = k_cache.shape[1:]
+    k_blocks = k_cache.view(-1, block_size * heads * dim)
+    v_blocks = v_cache.view(-1, block_size * heads * dim)
+    flat = blocks.reshape(-1)
+    k_out, v_out = workspace.buffers(flat.numel(), k_blocks.shape[1], k_cache)
+    torch.index_select(k_blocks, 0, flat, out=k_out)
+    torch.index_select(v_blocks, 0, flat, out=v_out)
+    shape = (*blocks.shape[:-1], blocks.shape[-1] * block_size, heads, dim)
+    return k_out.view(shape), v_out.view(shape)
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [batch, q_heads, dim], one query token per sequence
     k_cache: torch.Tensor,  # [slots, kv_heads, dim]
     v_cache: torch.Tensor,
-    ctx_slots: torch.Tensor,  # [batch, max_ctx] slot of each context position (padding: any slot)
+    block_tables: torch.Tensor,  # [batch, max_blocks]; padding repeats a block of the same row
     ctx_lens: torch.Tensor,  # [batch]
+    block_size: int,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:
     _check(q, k_cache, v_cache)
-    batch, max_ctx = ctx_slots.shape
-    if ctx_lens.shape != (batch,) or q.shape[0] != batch:
-        raise ValueError(f"decode attention: q {tuple(q.shape)}, ctx_slots {tuple(ctx_slots.shape)}, ctx_lens {tuple(ctx_lens.shape)}")
-    k = gather_slots(k_cache, ctx_slots).transpose(1, 2)  # [batch, kv_heads, max_ctx, dim]
-    v = gather_slots(v_cache, ctx_slots).transpose(1, 2)
-    valid = torch.arange(max_ctx, device=q.device)[None, :] < ctx_lens[:, None]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], enable_gqa=True)
-    return out.squeeze(2)
+    batch = q.shape[0]
+    if block_tables.shape[0] != batch or ctx_lens.shape != (batch,):
+        raise ValueError(
+            f"decode attention: q {tuple(q.shape)}, block_tables {tuple(block_tables.shape)}, ctx_lens {tuple(ctx_lens.shape)}"
+        )
+    k, v = gather_blocks(k_cache, v_cache, block_tables, block_size, workspace)  # [batch, ctx, kv_heads, dim]
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < ctx_lens[:, None]
+    # The query heads of a GQA group become query rows against their kv head: no K/V expansion.
+    heads = k.shape[2]
+    grouped = q.view(batch, heads, q.shape[1] // heads, q.shape[2])
+    out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :])
+    return out.reshape(q.shape)
 
 
 def paged_prefill_attention(
     q: torch.Tensor,  # [n, q_heads, dim]: queries at context positions ctx_len-n .. ctx_len-1
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    ctx_slots: torch.Tensor,  # [ctx_len]
+    blocks: torch.Tensor,  # [ceil(ctx_len / block_size)]
+    ctx_len: int,
+    block_size: int,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:
     _check(q, k_cache, v_cache)
-    n, ctx_len = q.shape[0], ctx_slots.shape[0]
-    if n > ctx_len:
-        raise ValueError(f"prefill attention: {n} queries but only {ctx_len} context positions")
-    k = gather_slots(k_cache, ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, dim]
-    v = gather_slots(v_cache, ctx_slots).transpose(0, 1).unsqueeze(0)
+    n = q.shape[0]
+    if n > ctx_len or blocks.shape[0] * block_size < ctx_len:
+        raise ValueError(f"prefill attention: {n} queries, {ctx_len} context positions, {blocks.shape[0]} blocks")
+    k, v = gather_blocks(k_cache, v_cache, blocks, block_size, workspace)
+    k, v = k[:ctx_len].transpose(0, 1).unsqueeze(0), v[:ctx_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, dim]
     query_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)
     causal = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=causal, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
-
-
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots] for any index shape; index_select is several times faster than advanced indexing on CPU."""
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model.config import ModelConfig
-from kernels.attention import paged_decode_attention, paged_prefill_attention
+from kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class LlamaModel:
         self.norm = w("model.norm.weight")
         self.layers = [self._layer(w, f"model.layers.{i}.", config.qkv_bias) for i in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, device)
+        self.workspace = GatherWorkspace()
 
     @staticmethod
     def _layer(w, prefix: str, bias: bool) -> LayerWeights:
@@ -94,13 +95,17 @@ class LlamaModel:
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         cache.write(index, batch.write_slots, k, v.reshape(-1, c.num_kv_heads, c.head_dim))
         k_cache, v_cache = cache.layer(index)
+        block = cache.spec.block_size
         out = torch.empty_like(q)
         if batch.decode_index.numel():
             out[batch.decode_index] = paged_decode_attention(
-                q[batch.decode_index], k_cache, v_cache, batch.decode_ctx_slots, batch.decode_ctx_lens
+                q[batch.decode_index], k_cache, v_cache, batch.decode_block_tables, batch.decode_ctx_lens, block, self.workspace
             )
         for span in batch.prefills:
-            out[span.start : span.end] = paged_prefill_attention(q[span.start : span.end], k_cache, v_cache, span.ctx_slots)
+            q_span = q[span.start : span.end]
+            out[span.start : span.end] = paged_prefill_attention(
+                q_span, k_cache, v_cache, span.ctx_blocks, span.ctx_len, block, self.workspace
+            )
         return F.linear(out.view(-1, c.q_size), layer.o_proj)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
