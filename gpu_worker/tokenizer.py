@@ -144,22 +144,36 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters."""
+    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters.
+
+    Decodes only a short window per token (the tokens since the last emitted text plus the
+    few before them, which fix spacing), so a long output costs O(n), not O(n^2).
+    """
+
+    _CONTEXT = 4
 
     def __init__(self, tokenizer: Tokenizer, context_ids: list[int] | None = None):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self._ids = list(context_ids[-self._CONTEXT :]) if context_ids else []
+        self._num_context = len(self._ids)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
         self.text = ""
-        # A few preceding tokens so the first delta decodes the way it would mid-text.
-        self._prefix = list(context_ids[-4:]) if context_ids else []
-        self._prefix_text = tokenizer.decode(self._prefix) if self._prefix else ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._ids) - self._num_context
 
     def add(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
-        full = self.tokenizer.decode(self._prefix + self.ids)[len(self._prefix_text) :]
-        if full.endswith("\ufffd"):
-            return ""  # incomplete multi-byte character: wait for the next token
-        delta, self.text = full[len(self.text) :], full
+        self._ids.extend(token_ids)
+        before = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        after = self.tokenizer.decode(self._ids[self._prefix_offset :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # nothing printable yet, or an incomplete multi-byte character
+        delta = after[len(before) :]
+        self._prefix_offset = max(self._prefix_offset, len(self._ids) - self._CONTEXT)
+        self._read_offset = len(self._ids)
+        self.text += delta
         return delta
 
 
@@ -178,7 +192,7 @@ class TextStream:
         """Takes the whole output so far; returns the text it newly releases."""
         if self.stopped:
             return ""
-        self._detok.add(output_ids[len(self._detok.ids) :])
+        self._detok.add(output_ids[self._detok.num_tokens :])
         text = self._detok.text
         hits = [i for s in self._stop if (i := text.find(s, max(0, len(self.emitted) - self._hold))) >= 0]
         if hits:

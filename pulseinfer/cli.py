@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -35,8 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
     from scheduler.request import SamplingParams
 
     text = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
-    params = from_flags(SamplingParams, args)
-    params = SamplingParams(**{**params.__dict__, "stop": tuple(args.stop), "stop_token_ids": tuple(args.stop_token_ids)})
+    params = dataclasses.replace(from_flags(SamplingParams, args), stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids))
     engine = Engine(from_flags(EngineConfig, args))
     tok = engine.tokenizer
     prompt_ids = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)

@@ -65,3 +65,14 @@ def test_text_stream_never_splits_utf8(engine):
     deltas = [stream.update(ids[: i + 1]) for i in range(len(ids))]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + stream.flush() == "東京 🚀"
+
+
+def test_text_stream_long_output_equals_full_decode(engine):
+    import pydoc_data.topics
+
+    tok = engine.tokenizer
+    text = " ".join(list(pydoc_data.topics.topics.values())[:3]) + " naïve 東京 🚀 ok"
+    ids = tok.encode(text)
+    stream = TextStream(tok, context_ids=tok.encode("Context: "))
+    streamed = "".join(stream.update(ids[: i + 1]) for i in range(len(ids))) + stream.flush()
+    assert len(ids) > 1000 and streamed == tok.decode(ids)
