@@ -28,16 +28,12 @@ class ForwardBatch:
     prefills: tuple[PrefillSpan, ...]
     sample_index: torch.Tensor  # [S] flat index of the tokens whose logits are sampled
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
-
-def context_slots(block_table: tuple[int, ...], length: int, block_size: int) -> torch.Tensor:
-    """Slot of every position 0..length-1 of a sequence."""
-    if length > len(block_table) * block_size:
-        raise ValueError(f"block table of {len(block_table)} blocks cannot hold position {length - 1}")
-    positions = torch.arange(length)
+def token_slots(block_table: tuple[int, ...], start: int, end: int, block_size: int) -> torch.Tensor:
+    """Slot of each position start..end-1 of a sequence."""
+    if end > len(block_table) * block_size:
+        raise ValueError(f"block table of {len(block_table)} blocks cannot hold position {end - 1}")
+    positions = torch.arange(start, end)
     return torch.tensor(block_table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
 
 
@@ -47,10 +43,9 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Forwar
     offset = 0
     for chunk in plan.chunks:
         n = len(chunk.token_ids)
-        ctx_slots = context_slots(chunk.block_table, chunk.end_pos, block_size)
         input_ids.extend(chunk.token_ids)
         positions.append(torch.arange(chunk.start_pos, chunk.end_pos))
-        write_slots.append(ctx_slots[chunk.start_pos :])
+        write_slots.append(token_slots(chunk.block_table, chunk.start_pos, chunk.end_pos, block_size))
         blocks = torch.tensor(chunk.block_table[: -(-chunk.end_pos // block_size)], dtype=torch.long)
         if n == 1:
             decode_index.append(offset)

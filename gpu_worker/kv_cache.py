@@ -25,10 +25,6 @@ class KVCacheSpec:
         return cls(num_blocks=tokens // block_size, block_size=block_size)
 
 
-def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * config.num_layers * config.kv_size * torch.empty(0, dtype=dtype).element_size()
-
-
 class PagedKVCache:
     """K and V per layer as [slots, kv_heads, head_dim]; slot = block * block_size + offset."""
 

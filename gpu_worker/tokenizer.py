@@ -38,10 +38,6 @@ class Tokenizer:
         self._template = _compile_template(chat_template) if chat_template else None
 
     @property
-    def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
-
-    @property
     def eos_id(self) -> int | None:
         return self.special.eos_id
 

@@ -29,10 +29,6 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
     def blocks_of(self, owner: str) -> list[int]:
         return list(self._owned.get(owner, ()))
 

@@ -36,10 +36,6 @@ class StepPlan:
     step_id: int
     chunks: tuple[Chunk, ...]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
 
 @dataclass(frozen=True)
 class SampledToken:
