@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint bench-dense clean
+.PHONY: serve test lint bench-dense clean proto
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,3 +31,7 @@ bench-dense: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+
+# Regenerates the Python code of every schema in proto/ (committed; tests check it is current).
+proto: $(STAMP)
+	$(PY) -m proto.generate

@@ -1,0 +1,101 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVStoreCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_STORE_OK: _ClassVar[KVStoreCode]
+    KV_STORE_RESOURCE_EXHAUSTED: _ClassVar[KVStoreCode]
+    KV_STORE_INVALID_ARGUMENT: _ClassVar[KVStoreCode]
+KV_STORE_OK: KVStoreCode
+KV_STORE_RESOURCE_EXHAUSTED: KVStoreCode
+KV_STORE_INVALID_ARGUMENT: KVStoreCode
+
+class RegisterWorker(_message.Message):
+    __slots__ = ("worker_id", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    pid: int
+    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class Allocate(_message.Message):
+    __slots__ = ("owner", "blocks")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    blocks: int
+    def __init__(self, owner: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("owner",)
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    def __init__(self, owner: _Optional[str] = ...) -> None: ...
+
+class Ping(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsQuery(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVStoreRequest(_message.Message):
+    __slots__ = ("register", "allocate", "release", "ping", "stats")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    register: RegisterWorker
+    allocate: Allocate
+    release: Release
+    ping: Ping
+    stats: StatsQuery
+    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ...) -> None: ...
+
+class PoolLayout(_message.Message):
+    __slots__ = ("shm_name", "num_blocks", "unit_bytes", "num_layers")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    num_blocks: int
+    unit_bytes: int
+    num_layers: int
+    def __init__(self, shm_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., unit_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class KVStoreStats(_message.Message):
+    __slots__ = ("blocks_total", "blocks_free", "owners", "workers")
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    blocks_total: int
+    blocks_free: int
+    owners: int
+    workers: int
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
+
+class KVStoreResponse(_message.Message):
+    __slots__ = ("code", "error", "blocks", "freed", "layout", "stats")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    code: KVStoreCode
+    error: str
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    freed: int
+    layout: PoolLayout
+    stats: KVStoreStats
+    def __init__(self, code: _Optional[_Union[KVStoreCode, str]] = ..., error: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., freed: _Optional[int] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., stats: _Optional[_Union[KVStoreStats, _Mapping]] = ...) -> None: ...

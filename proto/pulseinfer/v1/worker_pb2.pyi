@@ -1,0 +1,93 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingSpec(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "step")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    step: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_pos: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingSpec
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "chunks")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("seq_id", "token_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_id: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "tokens", "forward_s", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    forward_s: float
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("worker_id", "device_blocks_total", "block_size")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    device_blocks_total: int
+    block_size: int
+    def __init__(self, worker_id: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("result", "heartbeat")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    result: StepResult
+    heartbeat: Heartbeat
+    def __init__(self, result: _Optional[_Union[StepResult, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("plan", "shutdown")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    plan: StepPlan
+    shutdown: Shutdown
+    def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
