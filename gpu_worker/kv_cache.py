@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +33,8 @@ class PagedKVCache:
     def __init__(self, config: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device):
         self.spec = spec
         shape = (config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim)
-        # Uninitialised on purpose (no multi-GB memset at start-up): attention only ever reads
-        # slots that were written (padding repeats a sequence's own first slot).
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = _zeroed(shape, dtype, device)
+        self.v = _zeroed(shape, dtype, device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)
@@ -42,3 +42,15 @@ class PagedKVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled pool. Zeros matter: attention reads the unwritten tail of a partly filled
+    block under a mask, and masked NaN garbage would still poison the weighted sum of V.
+    On CPU an anonymous mapping is zero by contract and faulted in lazily, which avoids a
+    multi-GB memset at start-up."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, math.prod(shape) * itemsize)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
