@@ -29,6 +29,10 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_owners(self) -> int:
+        return len(self._owned)
+
     def blocks_of(self, owner: str) -> list[int]:
         return list(self._owned.get(owner, ()))
 

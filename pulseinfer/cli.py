@@ -55,10 +55,25 @@ def _read_prompt(path: Path) -> str:
         raise ValueError(f"cannot read prompt file {path}: {e.strerror}") from e
 
 
+def _serve_parser(sub) -> None:
+    from pulseinfer.launcher import ServeConfig
+
+    p = sub.add_parser("serve", help="run the cluster: gateway, scheduler, workers and kv_store as separate processes")
+    add_flags(p, ServeConfig)
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pulseinfer.launcher import ServeConfig, serve
+
+    return serve(from_flags(ServeConfig, args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pulseinfer", description="PulseInfer: sparse KV-cache offloading for long-context decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     return parser
 
 

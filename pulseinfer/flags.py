@@ -52,3 +52,17 @@ def from_flags(cls: type[T], args: argparse.Namespace) -> T:
         elif hasattr(args, field.name):
             values[field.name] = getattr(args, field.name)
     return cls(**values)
+
+
+def to_flags(config: object) -> list[str]:
+    """The inverse of from_flags: argv that rebuilds config (nested configs flattened), for child processes."""
+    argv = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            argv += to_flags(value)
+        elif isinstance(value, bool):
+            argv.append(_flag(field.name) if value else "--no-" + field.name.replace("_", "-"))
+        elif value is not None:
+            argv += [_flag(field.name), str(value)]
+    return argv

@@ -46,15 +46,32 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
+@dataclass
+class ModelMeta:
+    """What a process that never runs the model (the gateway) needs: config and tokenizer."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    source: Path
+
+
 def load_model(path: str | Path | None = None) -> LoadedModel:
+    return _load(path, weights=True)
+
+
+def load_model_meta(path: str | Path | None = None) -> ModelMeta:
+    return _load(path, weights=False)
+
+
+def _load(path: str | Path | None, weights: bool) -> LoadedModel | ModelMeta:
     source = Path(path) if path else default_model_path()
     if not source.exists():
         raise ModelLoadError(f"model not found: {source}")
     try:
         if source.is_dir():
-            return _load_hf_dir(source)
+            return _load_hf_dir(source) if weights else ModelMeta(_hf_dir_config(source), Tokenizer.from_hf_dir(source), source)
         if source.suffix == ".gguf":
-            return _load_gguf(source)
+            return _load_gguf(source) if weights else _gguf_meta(source)
     except TokenizerError as e:
         raise ModelLoadError(str(e)) from e
     raise ModelLoadError(f"{source}: expected a .gguf file or a directory with config.json and *.safetensors")
@@ -135,12 +152,21 @@ def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     return np.asarray(quants.dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def _read_gguf(path: Path) -> tuple[dict, list[GGUFTensor], ModelConfig]:
     try:
         fields, all_tensors = read_gguf(path)
     except GGUFFormatError as e:
         raise ModelLoadError(str(e)) from e
-    config = _gguf_config(fields, has_output=any(t.name == "output.weight" for t in all_tensors))
+    return fields, all_tensors, _gguf_config(fields, has_output=any(t.name == "output.weight" for t in all_tensors))
+
+
+def _gguf_meta(path: Path) -> ModelMeta:
+    fields, _, config = _read_gguf(path)
+    return ModelMeta(config, Tokenizer.from_gguf_fields(fields), path)
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    fields, all_tensors, config = _read_gguf(path)
     tensors = [(name, t) for t in all_tensors if (name := _hf_name(t.name))]
     with ThreadPoolExecutor(max_workers=2) as pool:  # numpy dequantization releases the GIL
         arrays = list(pool.map(lambda item: _dequantize(item[1]), tensors))
@@ -182,13 +208,17 @@ def _hf_config(raw: dict) -> ModelConfig:
     )
 
 
-def _load_hf_dir(path: Path) -> LoadedModel:
-    from safetensors.torch import load_file
-
+def _hf_dir_config(path: Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} has no config.json")
-    config = _hf_config(json.loads(config_file.read_text()))
+    return _hf_config(json.loads(config_file.read_text()))
+
+
+def _load_hf_dir(path: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    config = _hf_dir_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")

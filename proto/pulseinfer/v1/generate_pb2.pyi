@@ -167,23 +167,53 @@ class ScheduleRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "error", "timings")
+    __slots__ = ("token_ids", "finish_reason", "error", "timings", "accepted")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     error: str
     timings: Timings
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    accepted: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class SchedulerStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WorkerStats(_message.Message):
+    __slots__ = ("worker_id", "running", "waiting", "device_blocks_total", "device_blocks_free", "steps", "decode_tokens", "decode_steps", "max_decode_batch", "last_decode_batch", "step_overhead_s", "preemptions")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    running: int
+    waiting: int
+    device_blocks_total: int
+    device_blocks_free: int
+    steps: int
+    decode_tokens: int
+    decode_steps: int
+    max_decode_batch: int
+    last_decode_batch: int
+    step_overhead_s: float
+    preemptions: int
+    def __init__(self, worker_id: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., max_decode_batch: _Optional[int] = ..., last_decode_batch: _Optional[int] = ..., step_overhead_s: _Optional[float] = ..., preemptions: _Optional[int] = ...) -> None: ...
+
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "workers_alive", "device_blocks_total", "device_blocks_free", "host_blocks_total", "host_blocks_free")
+    __slots__ = ("running", "waiting", "workers_alive", "device_blocks_total", "device_blocks_free", "host_blocks_total", "host_blocks_free", "workers", "kv_store_alive")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +221,8 @@ class SchedulerStats(_message.Message):
     DEVICE_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_ALIVE_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     workers_alive: int
@@ -198,4 +230,6 @@ class SchedulerStats(_message.Message):
     device_blocks_free: int
     host_blocks_total: int
     host_blocks_free: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
+    kv_store_alive: bool
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., kv_store_alive: _Optional[bool] = ...) -> None: ...

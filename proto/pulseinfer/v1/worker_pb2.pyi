@@ -63,14 +63,24 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("worker_id", "device_blocks_total", "block_size")
+    __slots__ = ("worker_id", "pid", "device_blocks_total", "block_size", "max_position", "eos_id", "vocab_size", "model")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_FIELD_NUMBER: _ClassVar[int]
+    EOS_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
+    pid: int
     device_blocks_total: int
     block_size: int
-    def __init__(self, worker_id: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    max_position: int
+    eos_id: int
+    vocab_size: int
+    model: str
+    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., max_position: _Optional[int] = ..., eos_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("result", "heartbeat")

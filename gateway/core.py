@@ -1,0 +1,167 @@
+"""What both front ends (OpenAI HTTP and the public gRPC API) share: prompt checks, the call
+to the scheduler, incremental detokenization with stop strings, and latency metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.metrics import GatewayMetrics
+from gpu_worker.model.loader import ModelMeta
+from gpu_worker.tokenizer import TextStream
+from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
+from scheduler.request import SamplingParams
+from scheduler.wire import params_to_proto
+
+FINISH_NAMES = {
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_ABORT: "abort",
+    generate_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+def key_matches(authorization: str, api_key: str) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time."""
+    return hmac.compare_digest(authorization.encode(), f"Bearer {api_key}".encode())
+
+
+class GenerationError(Exception):
+    """A request the cluster refused or could not finish; `status` is the gRPC code."""
+
+    def __init__(self, status: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Final:
+    finish_reason: str  # stop | length | abort | error
+    prompt_tokens: int
+    completion_tokens: int
+    error: str = ""
+    timings: generate_pb2.Timings | None = None
+
+
+class GatewayCore:
+    def __init__(self, meta: ModelMeta, model_id: str, scheduler: generate_pb2_grpc.SchedulerStub, metrics: GatewayMetrics):
+        self.meta = meta
+        self.tokenizer = meta.tokenizer
+        self.model_id = model_id
+        self.scheduler = scheduler
+        self.metrics = metrics
+
+    @property
+    def max_context(self) -> int:
+        return self.meta.config.max_position
+
+    def prepare(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, request_id: str = "") -> Prepared:
+        """Checks a request against the model; raises ValueError with the reason."""
+        vocab = self.meta.config.vocab_size
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary range [0, {vocab}): {bad[:4]}")
+        room = self.max_context - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_context} tokens")
+        if max_tokens_given and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) + prompt ({len(prompt_ids)} tokens) exceeds the context of {self.max_context} tokens"
+            )
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        params.validate(vocab)
+        return Prepared(request_id or uuid.uuid4().hex, prompt_ids, params)
+
+    async def generate(self, request: Prepared) -> AsyncIterator[Delta | Final]:
+        """Streams text deltas, then one Final. Raises GenerationError only before the first event."""
+        arrived = time.perf_counter()
+        call = self.scheduler.Schedule(
+            generate_pb2.ScheduleRequest(
+                request_id=request.request_id, prompt_ids=request.prompt_ids, sampling=params_to_proto(request.params)
+            )
+        )
+        try:
+            await self._accepted(call)
+            self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+            async for event in self._events(call, request, arrived):
+                yield event
+        finally:
+            call.cancel()  # no-op once finished; otherwise the scheduler frees the request
+
+    async def _accepted(self, call) -> None:
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise GenerationError(e.code(), e.details() or "the scheduler refused the request") from None
+        if first is grpc.aio.EOF or not first.accepted:
+            raise GenerationError(grpc.StatusCode.INTERNAL, "the scheduler closed the request before accepting it")
+
+    async def _events(self, call, request: Prepared, arrived: float) -> AsyncIterator[Delta | Final]:
+        stream = TextStream(self.tokenizer, request.params.stop, request.prompt_ids)
+        output: list[int] = []
+        last_token_at = None
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                if message.token_ids:
+                    now = time.perf_counter()
+                    if last_token_at is None:
+                        self.metrics.ttft.observe(now - arrived)
+                    else:
+                        self.metrics.itl.observe(now - last_token_at)
+                    last_token_at = now
+                    output.extend(message.token_ids)
+                    self.metrics.generation_tokens.inc(len(message.token_ids))
+                    text = stream.update(output)
+                    if text or not stream.stopped:
+                        yield Delta(text, list(message.token_ids))
+                    if stream.stopped:
+                        yield self._final(request, output, arrived, "stop")
+                        return
+                if message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                    tail = stream.flush()
+                    if tail:
+                        yield Delta(tail, [])
+                    yield self._final(request, output, arrived, FINISH_NAMES[message.finish_reason], message.error, message.timings)
+                    return
+        except grpc.aio.AioRpcError as e:
+            yield self._final(request, output, arrived, "error", f"lost the scheduler: {e.details()}")
+            return
+        yield self._final(request, output, arrived, "error", "the scheduler ended the stream without a final message")
+
+    def _final(self, request: Prepared, output: list[int], arrived: float, reason: str, error: str = "", timings=None) -> Final:
+        self.metrics.e2e.observe(time.perf_counter() - arrived)
+        self.metrics.finished.inc(finished_reason=reason)
+        return Final(reason, len(request.prompt_ids), len(output), error, timings)
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self.scheduler.Abort(generate_pb2.AbortRequest(request_id=request_id))).found
+
+    async def cluster_stats(self, timeout_s: float = 1.0) -> generate_pb2.SchedulerStats | None:
+        try:
+            stats = await self.scheduler.Stats(generate_pb2.SchedulerStatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return None
+        self.metrics.set_cluster(stats)
+        return stats

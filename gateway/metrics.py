@@ -1,0 +1,116 @@
+"""Prometheus text exposition for the few metric kinds the gateway keeps (no client library)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _labels(labels: Labels) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""
+
+
+class Counter:
+    def __init__(self, name: str, help_text: str, kind: str = "counter"):
+        self.name, self.help, self.kind = name, help_text, kind
+        self.values: dict[Labels, float] = defaultdict(float)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        self.values[tuple(sorted(labels.items()))] += amount
+
+    def set(self, value: float, **labels: str) -> None:
+        """For gauges, and for counters kept by another process (copied from its stats)."""
+        self.values[tuple(sorted(labels.items()))] = value
+
+    def reset(self) -> None:
+        self.values.clear()
+
+    def samples(self) -> list[str]:
+        return [f"{self.name}{_labels(k)} {v}" for k, v in self.values.items()]
+
+
+def Gauge(name: str, help_text: str) -> Counter:  # noqa: N802 - reads like the metric kind it makes
+    return Counter(name, help_text, kind="gauge")
+
+
+class Histogram:
+    kind = "histogram"
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.name, self.help, self.buckets = name, help_text, buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def samples(self) -> list[str]:
+        lines, total = [], 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            total += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {total}')
+        return lines + [f"{self.name}_sum {self.sum}", f"{self.name}_count {total}"]
+
+
+def render(metrics: list[Counter | Histogram]) -> str:
+    out = []
+    for m in metrics:
+        out += [f"# HELP {m.name} {m.help}", f"# TYPE {m.name} {m.kind}", *m.samples()]
+    return "\n".join(out) + "\n"
+
+
+class GatewayMetrics:
+    """vLLM-style names under the pulseinfer: prefix."""
+
+    def __init__(self):
+        p = "pulseinfer:"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from request arrival to its first token.")
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive tokens of a request.")
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to its end.")
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.generation_tokens = Counter(p + "generation_tokens_total", "Generated tokens.")
+        self.finished = Counter(p + "request_success_total", "Requests finished, by finish reason.")
+        self.errors = Counter(p + "request_errors_total", "Requests rejected or failed, by status code.")
+        self.running = Gauge(p + "num_requests_running", "Requests in a worker's running batch.")
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for a worker.")
+        self.device_kv = Gauge(p + "gpu_cache_usage_perc", "Share of the workers' device KV blocks in use (0-1).")
+        self.host_kv = Gauge(p + "cpu_cache_usage_perc", "Share of the kv_store host KV blocks in use (0-1).")
+        self.workers_alive = Gauge(p + "workers_alive", "Workers with a recent heartbeat.")
+        self.batch = Gauge(p + "decode_batch_size", "Sequences in the worker's last decode step.")
+        self.batch_max = Gauge(p + "decode_batch_size_max", "Largest decode batch the worker has run.")
+        self.decode_steps = Counter(p + "decode_steps_total", "Decode steps the worker has run.")
+        self.decode_tokens = Counter(p + "decode_tokens_total", "Sequence-steps decoded by the worker (sum of decode batch sizes).")
+        self.step_overhead = Counter(p + "step_overhead_seconds_total", "Scheduler-worker round trip time not spent in the forward pass.")
+        self.preemptions = Counter(p + "num_preemptions_total", "Sequences preempted for lack of device KV blocks.")
+        self.per_worker = [self.batch, self.batch_max, self.decode_steps, self.decode_tokens, self.step_overhead, self.preemptions]
+
+    def set_cluster(self, stats) -> None:
+        """Copies the scheduler's SchedulerStats into the gauges."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.workers_alive.set(stats.workers_alive)
+        self.device_kv.set(_used(stats.device_blocks_total, stats.device_blocks_free))
+        self.host_kv.set(_used(stats.host_blocks_total, stats.host_blocks_free))
+        for metric in self.per_worker:
+            metric.reset()
+        for w in stats.workers:
+            label = str(w.worker_id)
+            self.batch.set(w.last_decode_batch, worker=label)
+            self.batch_max.set(w.max_decode_batch, worker=label)
+            self.decode_steps.set(w.decode_steps, worker=label)
+            self.decode_tokens.set(w.decode_tokens, worker=label)
+            self.step_overhead.set(w.step_overhead_s, worker=label)
+            self.preemptions.set(w.preemptions, worker=label)
+
+    def render(self) -> str:
+        return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))])
+
+
+def _used(total: int, free: int) -> float:
+    return (total - free) / total if total else 0.0

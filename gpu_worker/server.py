@@ -1,0 +1,122 @@
+"""gpu_worker process: takes step plans from the scheduler over ZMQ, returns sampled tokens.
+
+One process per device. The step socket carries plans and results only; heartbeats go out
+on a second socket from their own thread, so a long forward never looks like a dead worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from gpu_worker.model.loader import LoadedModel
+from gpu_worker.runner import ModelRunner, WorkerConfig
+from proto.pulseinfer.v1 import kv_store_pb2, worker_pb2
+from scheduler.wire import plan_from_proto, tokens_to_proto
+
+log = logging.getLogger("gpu_worker")
+
+
+@dataclass(frozen=True)
+class WorkerServiceConfig:
+    model: str | None = None
+    scheduler: str = "tcp://127.0.0.1:5557"  # the scheduler's worker socket
+    kv_store: str = "tcp://127.0.0.1:5560"
+    worker_id: int = 0
+    heartbeat_interval_s: float = 0.5
+    kv_store_timeout_s: float = 30.0
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+
+def step_identity(worker_id: int, pid: int) -> bytes:
+    return f"w{worker_id}-{pid}".encode()
+
+
+def register_with_kv_store(context: zmq.Context, config: WorkerServiceConfig) -> kv_store_pb2.PoolLayout:
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, int(config.kv_store_timeout_s * 1000))
+    try:
+        socket.connect(config.kv_store)
+        request = kv_store_pb2.KVStoreRequest(register=kv_store_pb2.RegisterWorker(worker_id=config.worker_id, pid=os.getpid()))
+        socket.send(request.SerializeToString())
+        try:
+            return kv_store_pb2.KVStoreResponse.FromString(socket.recv()).layout
+        except zmq.Again:
+            raise RuntimeError(f"kv_store at {config.kv_store} did not answer within {config.kv_store_timeout_s:g} s") from None
+    finally:
+        socket.close()
+
+
+class Worker:
+    def __init__(self, config: WorkerServiceConfig, loaded: LoadedModel):
+        self.config = config
+        self.runner = ModelRunner(loaded, config.worker)
+        spec = self.runner.cache_spec
+        model_config = loaded.config
+        self.heartbeat = worker_pb2.Heartbeat(
+            worker_id=config.worker_id,
+            pid=os.getpid(),
+            device_blocks_total=spec.num_blocks,
+            block_size=spec.block_size,
+            max_position=model_config.max_position,
+            vocab_size=model_config.vocab_size,
+            model=loaded.source.name,
+        )
+        if loaded.tokenizer.eos_id is not None:
+            self.heartbeat.eos_id = loaded.tokenizer.eos_id
+
+    def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        started = time.perf_counter()
+        try:
+            tokens = self.runner.execute(plan_from_proto(plan))
+        except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
+            log.exception("step %d failed", plan.step_id)
+            return worker_pb2.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+        return worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens_to_proto(tokens), forward_s=time.perf_counter() - started)
+
+    def serve(self, context: zmq.Context) -> None:
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTING_ID, step_identity(self.config.worker_id, os.getpid()))
+        socket.connect(self.config.scheduler)
+        stop = threading.Event()
+        beats = threading.Thread(target=self._beat, args=(context, stop), name="heartbeat", daemon=True)
+        beats.start()
+        log.info(
+            "worker %d ready (%d device KV blocks), scheduler %s",
+            self.config.worker_id,
+            self.heartbeat.device_blocks_total,
+            self.config.scheduler,
+        )
+        try:
+            while True:
+                message = worker_pb2.SchedulerMessage.FromString(socket.recv())
+                if message.WhichOneof("kind") != "plan":
+                    return
+                socket.send(worker_pb2.WorkerMessage(result=self.execute(message.plan)).SerializeToString())
+        finally:
+            stop.set()
+            beats.join()
+            socket.close()
+
+    def _beat(self, context: zmq.Context, stop: threading.Event) -> None:
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 4)  # while the scheduler is away, do not queue stale beats
+        socket.connect(self.config.scheduler)
+        payload = worker_pb2.WorkerMessage(heartbeat=self.heartbeat).SerializeToString()
+        try:
+            while not stop.is_set():
+                try:
+                    socket.send(payload, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                stop.wait(self.config.heartbeat_interval_s)
+        finally:
+            socket.close()

@@ -1,0 +1,25 @@
+"""`python -m kv_store --bind ADDR [--model PATH] [--host-kv-tokens N]`"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpu_worker.model.loader import load_model_meta
+from kv_store.pool import PoolGeometry
+from kv_store.server import KVStoreConfig, serve
+from pulseinfer.flags import add_flags, from_flags
+from pulseinfer.proc import exit_on_signals, run_service, setup_logging
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m kv_store", description="PulseInfer host KV store")
+    add_flags(parser, KVStoreConfig)
+    config = from_flags(KVStoreConfig, parser.parse_args())
+    setup_logging("kv_store")
+    exit_on_signals()
+    geometry = PoolGeometry.for_model(load_model_meta(config.model).config, config.block_size, config.host_kv_tokens, config.kv_dtype)
+    serve(config, geometry)
+
+
+if __name__ == "__main__":
+    run_service("kv_store", main)

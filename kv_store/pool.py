@@ -1,0 +1,63 @@
+"""The host KV pool: one POSIX shared-memory segment that every worker maps.
+
+Layout `[host_block][layer][K|V][kv_head][token][dim]`: one (block, layer) recall unit with
+all KV heads, K and V together, is one contiguous range of `unit_bytes`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_worker.model.config import ModelConfig
+
+SHM_DIR = Path("/dev/shm")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    num_blocks: int
+    num_layers: int
+    unit_bytes: int
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, block_size: int, tokens: int, dtype: str) -> PoolGeometry:
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"--kv-dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+        if tokens < block_size:
+            raise ValueError(f"host KV pool of {tokens} tokens is smaller than one block ({block_size})")
+        unit = 2 * config.num_kv_heads * block_size * config.head_dim * DTYPE_BYTES[dtype]
+        return cls(num_blocks=tokens // block_size, num_layers=config.num_layers, unit_bytes=unit)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.unit_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+
+class SharedPool:
+    """Owns the segment: created exclusively, unlinked on close."""
+
+    def __init__(self, name: str, geometry: PoolGeometry):
+        self.name = name
+        self.geometry = geometry
+        self.path = SHM_DIR / name
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, geometry.total_bytes)
+            self.map = mmap.mmap(fd, geometry.total_bytes)
+        except OSError:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.map.close()
+        self.path.unlink(missing_ok=True)

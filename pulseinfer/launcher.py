@@ -1,0 +1,205 @@
+"""`pulseinfer serve`: the whole cluster on one machine, one OS process per service.
+
+Starts kv_store, scheduler, N workers and the gateway in that order, each waiting for the
+one before to be ready; restarts a child that dies; on SIGINT/SIGTERM stops them all. Every
+child gets PR_SET_PDEATHSIG, so none outlives the launcher even if it is killed with -9.
+Internal channels are ipc:// and unix:// sockets in a private run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.server import GatewayConfig
+from gpu_worker.runner import WorkerConfig
+from gpu_worker.server import WorkerServiceConfig
+from kv_store.server import KVStoreConfig
+from pulseinfer import probe
+from pulseinfer.flags import to_flags
+from pulseinfer.proc import die_with_parent, setup_logging
+from scheduler.batcher import BatcherConfig
+from scheduler.core import SchedulerConfig
+
+log = logging.getLogger("launcher")
+RESTART_LIMIT = 5  # restarts of one child within RESTART_WINDOW_S before the launcher gives up
+RESTART_WINDOW_S = 60.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    workers: int = 1
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    api_key: str | None = None  # default: $PULSEINFER_API_KEY
+    host_kv_tokens: int = KVStoreConfig.host_kv_tokens
+    worker_timeout_s: float = SchedulerConfig.worker_timeout_s
+    startup_timeout_s: float = 300.0
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+
+
+class Child:
+    def __init__(self, name: str, module: str, argv: list[str]):
+        self.name = name
+        self.argv = [sys.executable, "-m", module, *argv]
+        self.process: subprocess.Popen | None = None
+        self.restarts: list[float] = []
+
+    def start(self) -> None:
+        parent = os.getpid()
+        self.process = subprocess.Popen(self.argv, preexec_fn=lambda: die_with_parent(parent))
+
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
+    def wait_or_kill(self, deadline: float) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0f s; killing it", self.name, STOP_GRACE_S)
+            self.process.kill()
+            self.process.wait()
+
+
+class Cluster:
+    def __init__(self, config: ServeConfig, run_dir: Path):
+        self.config = config
+        kv = f"ipc://{run_dir}/kv_store"
+        workers = f"ipc://{run_dir}/workers"
+        self.scheduler_address = f"unix://{run_dir}/scheduler.sock"
+        self.kv_address = kv
+        block = config.worker.block_size
+        kv_dtype = str(config.worker.torch_dtype()).removeprefix("torch.")
+        kv_config = KVStoreConfig(model=config.model, bind=kv, block_size=block, host_kv_tokens=config.host_kv_tokens, kv_dtype=kv_dtype)
+        sched_config = SchedulerConfig(
+            grpc_bind=self.scheduler_address,
+            workers_bind=workers,
+            kv_store=kv,
+            worker_timeout_s=config.worker_timeout_s,
+            batcher=config.batcher,
+        )
+        gateway_config = GatewayConfig(
+            model=config.model,
+            scheduler=self.scheduler_address,
+            host=config.host,
+            http_port=config.http_port,
+            grpc_port=config.grpc_port,
+            api_key=config.api_key,
+        )
+        self.kv_store = Child("kv_store", "kv_store", to_flags(kv_config))
+        self.scheduler = Child("scheduler", "scheduler", to_flags(sched_config))
+        self.workers = [
+            Child(
+                f"gpu_worker{i}",
+                "gpu_worker",
+                to_flags(WorkerServiceConfig(model=config.model, scheduler=workers, kv_store=kv, worker_id=i, worker=config.worker)),
+            )
+            for i in range(config.workers)
+        ]
+        self.gateway = Child("gateway", "gateway", to_flags(gateway_config))
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.kv_store, self.scheduler, *self.workers, self.gateway]
+
+    def start(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        steps: list[tuple[list[Child], Callable[[], object]]] = [
+            ([self.kv_store], lambda: probe.kv_store(self.kv_address)),
+            ([self.scheduler], lambda: probe.grpc_health(self.scheduler_address)),
+            (self.workers, lambda: probe.workers(self.scheduler_address, len(self.workers))),
+            ([self.gateway], lambda: probe.http(f"http://{self.config.host}:{self.config.http_port}/health")),
+        ]
+        for children, ready in steps:
+            for child in children:
+                child.start()
+            self._wait_ready(children, ready, deadline)
+
+    def _wait_ready(self, children: list[Child], ready: Callable[[], object], deadline: float) -> None:
+        last = "not started"
+        while time.monotonic() < deadline:
+            for child in children:
+                if (code := child.exited()) is not None:
+                    raise RuntimeError(f"{child.name} exited with code {code} during startup (its error is above)")
+            try:
+                ready()
+                return
+            except probe.NotReady as e:
+                last = str(e)
+            time.sleep(0.2)
+        names = ", ".join(c.name for c in children)
+        raise RuntimeError(f"{names} not ready after {self.config.startup_timeout_s:.0f} s: {last}")
+
+    def supervise(self) -> None:
+        """Restarts children that die, until a signal ends the launcher."""
+        while True:
+            time.sleep(0.5)
+            for child in self.children:
+                if (code := child.exited()) is not None:
+                    self._restart(child, code)
+
+    def _restart(self, child: Child, code: int) -> None:
+        now = time.monotonic()
+        child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(child.restarts) > RESTART_LIMIT:
+            raise RuntimeError(
+                f"{child.name} died {len(child.restarts)} times in {RESTART_WINDOW_S:.0f} s (last exit code {code}); giving up"
+            )
+        log.warning("%s exited with code %d; restarting it", child.name, code)
+        child.start()
+
+    def stop(self) -> None:
+        for child in reversed(self.children):  # the gateway first: no new requests while the rest stops
+            child.stop()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            child.wait_or_kill(deadline)
+
+
+def serve(config: ServeConfig) -> int:
+    if config.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {config.workers}")
+    config.worker.torch_device()  # fail here, not in N workers, when --device cuda has no GPU
+    setup_logging("launcher")
+    run_dir = Path(tempfile.mkdtemp(prefix="pulseinfer-"))
+    cluster = Cluster(config, run_dir)
+    previous = {s: signal.signal(s, _raise_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster.start()
+        print(
+            f"PulseInfer is serving: HTTP http://{config.host}:{config.http_port}/v1 (OpenAI API), "
+            f"gRPC {config.host}:{config.grpc_port} (pulseinfer.v1.Generation), {config.workers} worker(s) on {config.worker.device}",
+            flush=True,
+        )
+        cluster.supervise()
+    except SystemExit:
+        log.info("shutting down")
+    finally:
+        cluster.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0
+
+
+def _raise_exit(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)

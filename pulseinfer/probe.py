@@ -1,0 +1,97 @@
+"""Readiness probes, used by `pulseinfer serve` and as docker-compose healthchecks:
+
+    python -m pulseinfer.probe http http://127.0.0.1:8000/health
+    python -m pulseinfer.probe grpc 127.0.0.1:50052          # grpc.health.v1, overall status
+    python -m pulseinfer.probe kv_store tcp://127.0.0.1:5560
+    python -m pulseinfer.probe workers 127.0.0.1:50052 --min 1
+
+Exit code 0 when ready, 1 otherwise (with the reason on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.error
+import urllib.request
+
+import grpc
+import zmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2
+
+
+class NotReady(Exception):
+    pass
+
+
+def http(url: str, timeout_s: float = 2.0) -> None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            response.read()
+    except urllib.error.HTTPError as e:
+        raise NotReady(f"{url}: HTTP {e.code} {e.read().decode(errors='replace')}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise NotReady(f"{url}: {e}") from None
+
+
+def grpc_health(address: str, timeout_s: float = 2.0) -> None:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise NotReady(f"{address}: {e.code().name}") from None
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        raise NotReady(f"{address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+
+
+def kv_store(address: str, timeout_s: float = 2.0) -> kv_store_pb2.KVStoreStats:
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(address)
+        socket.send(kv_store_pb2.KVStoreRequest(ping=kv_store_pb2.Ping()).SerializeToString())
+        if not socket.poll(int(timeout_s * 1000)):
+            raise NotReady(f"kv_store at {address} did not answer")
+        return kv_store_pb2.KVStoreResponse.FromString(socket.recv()).stats
+    finally:
+        socket.close()
+
+
+def workers(address: str, minimum: int, timeout_s: float = 2.0) -> generate_pb2.SchedulerStats:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            stats = generate_pb2_grpc.SchedulerStub(channel).Stats(generate_pb2.SchedulerStatsRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise NotReady(f"scheduler at {address}: {e.code().name}") from None
+    if stats.workers_alive < minimum:
+        raise NotReady(f"{stats.workers_alive} of {minimum} workers alive")
+    return stats
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pulseinfer.probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("kind", choices=("http", "grpc", "kv_store", "workers"))
+    parser.add_argument("address")
+    parser.add_argument("--min", type=int, default=1, help="workers: how many must be alive")
+    args = parser.parse_args()
+    probes = {
+        "http": lambda: http(args.address),
+        "grpc": lambda: grpc_health(args.address),
+        "kv_store": lambda: kv_store(args.address),
+        "workers": lambda: workers(args.address, args.min),
+    }
+    try:
+        probes[args.kind]()
+    except NotReady as e:
+        print(f"not ready: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The scheduler's engine loop over N workers, free of sockets.
+
+Each worker has its own device KV pool, hence its own batcher and allocator. A request is
+placed on the least loaded live worker; each worker has at most one step in flight, and the
+next step is planned the moment its result arrives (new requests join between steps).
+The server feeds heartbeats and results in and sends out what `dispatch` returns.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kv_store.allocator import BlockAllocator
+from proto.pulseinfer.v1 import generate_pb2, worker_pb2
+from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
+from scheduler.plan import StepPlan
+from scheduler.request import FinishReason, Sequence
+from scheduler.wire import params_from_proto, plan_to_proto, tokens_from_proto
+
+Sink = Callable[[generate_pb2.ScheduleResponse], None]
+
+FINISH_TO_PROTO = {
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: generate_pb2.FINISH_REASON_ERROR,
+}
+
+
+class NoWorkers(RuntimeError):
+    pass
+
+
+class DuplicateRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    grpc_bind: str = "127.0.0.1:50052"  # gateway -> scheduler
+    workers_bind: str = "tcp://127.0.0.1:5557"  # workers connect here
+    kv_store: str = "tcp://127.0.0.1:5560"
+    worker_timeout_s: float = 3.0  # no heartbeat for this long: the worker is dead
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+
+
+@dataclass
+class WorkerCounters:
+    steps: int = 0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    max_decode_batch: int = 0
+    last_decode_batch: int = 0
+    step_overhead_s: float = 0.0
+
+    def record(self, plan: StepPlan, round_trip_s: float, forward_s: float) -> None:
+        decode = sum(1 for c in plan.chunks if len(c.token_ids) == 1)
+        self.steps += 1
+        self.step_overhead_s += max(0.0, round_trip_s - forward_s)
+        if decode:
+            self.decode_steps += 1
+            self.decode_tokens += decode
+            self.last_decode_batch = decode
+            self.max_decode_batch = max(self.max_decode_batch, decode)
+
+
+class WorkerHandle:
+    def __init__(self, beat: worker_pb2.Heartbeat, batcher_config: BatcherConfig, now: float):
+        self.worker_id = beat.worker_id
+        self.pid = beat.pid
+        self.identity = f"w{beat.worker_id}-{beat.pid}".encode()
+        self.allocator = BlockAllocator(beat.device_blocks_total)
+        eos = beat.eos_id if beat.HasField("eos_id") else None
+        self.limits = ModelLimits(beat.max_position, eos, beat.block_size)
+        self.vocab_size = beat.vocab_size
+        self.batcher = Batcher(batcher_config, self.limits, self.allocator)
+        self.last_seen = now
+        self.inflight: StepPlan | None = None
+        self.sent_at = 0.0
+        self.counters = WorkerCounters()
+
+    @property
+    def load(self) -> int:
+        return len(self.batcher.running) + len(self.batcher.waiting)
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    worker: WorkerHandle
+    sink: Sink
+    submitted_at: float
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+
+
+class SchedulerCore:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.workers: dict[int, WorkerHandle] = {}
+        self.requests: dict[str, RequestState] = {}
+
+    # ------------------------------------------------------------ workers
+
+    def on_heartbeat(self, beat: worker_pb2.Heartbeat) -> None:
+        handle = self.workers.get(beat.worker_id)
+        if handle is not None and handle.pid != beat.pid:
+            self._lose_worker(handle, f"worker {handle.worker_id} restarted")
+            handle = None
+        if handle is None:
+            handle = self.workers[beat.worker_id] = WorkerHandle(beat, self.config.batcher, self.clock())
+        handle.last_seen = self.clock()
+
+    def check_liveness(self) -> list[int]:
+        """Drops workers whose heartbeats stopped; returns their ids."""
+        now = self.clock()
+        dead = [w for w in self.workers.values() if now - w.last_seen > self.config.worker_timeout_s]
+        for handle in dead:
+            self._lose_worker(handle, f"worker {handle.worker_id} stopped responding")
+        return [w.worker_id for w in dead]
+
+    def lose_worker_by_identity(self, identity: bytes, reason: str) -> None:
+        handle = self._by_identity(identity)
+        if handle is not None:
+            self._lose_worker(handle, reason)
+
+    def _lose_worker(self, handle: WorkerHandle, reason: str) -> None:
+        del self.workers[handle.worker_id]
+        for state in [s for s in self.requests.values() if s.worker is handle]:
+            self._finish(state, FinishReason.ERROR, f"{reason}; the request was lost")
+
+    def _by_identity(self, identity: bytes) -> WorkerHandle | None:
+        return next((w for w in self.workers.values() if w.identity == identity), None)
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, request: generate_pb2.ScheduleRequest, sink: Sink) -> RequestState:
+        """Queues a request; raises NoWorkers, DuplicateRequest, QueueFull, RequestTooLarge or ValueError."""
+        seq_id = request.request_id or uuid.uuid4().hex
+        if seq_id in self.requests:
+            raise DuplicateRequest(f"request id {seq_id!r} is already in flight")
+        worker = min(self.workers.values(), key=lambda w: w.load, default=None)
+        if worker is None:
+            raise NoWorkers("no worker is alive")
+        params = params_from_proto(request.sampling)
+        params.validate(worker.vocab_size)
+        prompt = list(request.prompt_ids)
+        bad = [t for t in prompt if t >= worker.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary range [0, {worker.vocab_size}): {bad[:4]}")
+        seq = Sequence(seq_id, prompt, params, params.seed if params.seed is not None else random.getrandbits(63))
+        worker.batcher.add(seq)
+        state = self.requests[seq_id] = RequestState(seq, worker, sink, self.clock())
+        return state
+
+    def abort(self, seq_id: str) -> bool:
+        state = self.requests.get(seq_id)
+        if state is None:
+            return False
+        state.worker.batcher.abort(seq_id)
+        self._finish(state, FinishReason.ABORT, "")
+        return True
+
+    # ------------------------------------------------------------ steps
+
+    def dispatch(self) -> list[tuple[bytes, worker_pb2.SchedulerMessage]]:
+        """Plans a step for every live worker that is idle and has work."""
+        out = []
+        for worker in self.workers.values():
+            if worker.inflight is not None or not worker.batcher.has_work():
+                continue
+            plan = worker.batcher.schedule()
+            if plan is None:
+                continue
+            now = self.clock()
+            for chunk in plan.chunks:
+                state = self.requests.get(chunk.seq_id)
+                if state is not None and state.scheduled_at is None:
+                    state.scheduled_at = now
+            worker.inflight, worker.sent_at = plan, now
+            out.append((worker.identity, worker_pb2.SchedulerMessage(plan=plan_to_proto(plan))))
+        return out
+
+    def on_result(self, identity: bytes, result: worker_pb2.StepResult) -> None:
+        worker = self._by_identity(identity)
+        if worker is None or worker.inflight is None or worker.inflight.step_id != result.step_id:
+            return  # a late answer from a worker already given up on
+        plan, worker.inflight = worker.inflight, None
+        worker.counters.record(plan, self.clock() - worker.sent_at, result.forward_s)
+        if result.error:
+            for chunk in plan.chunks:
+                if (state := self.requests.get(chunk.seq_id)) is not None:
+                    worker.batcher.abort(chunk.seq_id, FinishReason.ERROR)
+                    self._finish(state, FinishReason.ERROR, f"worker {worker.worker_id} failed the step: {result.error}")
+            return
+        sampled = tokens_from_proto(result.tokens)
+        finished = {seq.seq_id for seq in worker.batcher.commit(plan, sampled)}
+        now = self.clock()
+        for token in sampled:
+            state = self.requests.get(token.seq_id)
+            if state is None:
+                continue
+            state.first_token_at = state.first_token_at or now
+            state.sink(generate_pb2.ScheduleResponse(token_ids=[token.token_id]))
+            if token.seq_id in finished:
+                self._finish(state, state.seq.finish_reason, "")
+
+    def _finish(self, state: RequestState, reason: FinishReason, error: str) -> None:
+        del self.requests[state.seq.seq_id]
+        now = self.clock()
+        timings = generate_pb2.Timings(
+            queue_s=(state.scheduled_at or now) - state.submitted_at,
+            ttft_s=(state.first_token_at or now) - state.submitted_at,
+            e2e_s=now - state.submitted_at,
+        )
+        state.sink(generate_pb2.ScheduleResponse(finish_reason=FINISH_TO_PROTO[reason], error=error, timings=timings))
+
+    # ------------------------------------------------------------ stats
+
+    def stats(self) -> generate_pb2.SchedulerStats:
+        workers = [self._worker_stats(w) for w in self.workers.values()]
+        return generate_pb2.SchedulerStats(
+            running=sum(w.running for w in workers),
+            waiting=sum(w.waiting for w in workers),
+            workers_alive=len(workers),
+            device_blocks_total=sum(w.device_blocks_total for w in workers),
+            device_blocks_free=sum(w.device_blocks_free for w in workers),
+            workers=workers,
+        )
+
+    @staticmethod
+    def _worker_stats(w: WorkerHandle) -> generate_pb2.WorkerStats:
+        c = w.counters
+        return generate_pb2.WorkerStats(
+            worker_id=w.worker_id,
+            running=len(w.batcher.running),
+            waiting=len(w.batcher.waiting),
+            device_blocks_total=w.allocator.num_blocks,
+            device_blocks_free=w.allocator.num_free,
+            steps=c.steps,
+            decode_tokens=c.decode_tokens,
+            decode_steps=c.decode_steps,
+            max_decode_batch=c.max_decode_batch,
+            last_decode_batch=c.last_decode_batch,
+            step_overhead_s=c.step_overhead_s,
+            preemptions=w.batcher.num_preemptions,
+        )

@@ -1,0 +1,157 @@
+"""scheduler process: gRPC `Scheduler` service for the gateway, ZMQ ROUTER for the workers.
+
+One asyncio loop (uvloop) drives both: heartbeats and step results come in on the ROUTER,
+the core plans the next step of each idle worker, plans go out on the same socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import zmq
+import zmq.asyncio
+
+from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2, worker_pb2
+from pulseinfer.grpc_common import add_health_and_reflection, set_serving
+from scheduler.batcher import QueueFull, RequestTooLarge
+from scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
+
+log = logging.getLogger("scheduler")
+
+SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+SUBMIT_ERRORS = {
+    NoWorkers: grpc.StatusCode.UNAVAILABLE,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RequestTooLarge: grpc.StatusCode.INVALID_ARGUMENT,
+    DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+}
+KV_STORE_POLL_S = 1.0
+
+
+class SchedulerService(generate_pb2_grpc.SchedulerServicer):
+    def __init__(self, core: SchedulerCore, router: zmq.asyncio.Socket, kv_monitor: KVStoreMonitor):
+        self.core = core
+        self.router = router
+        self.kv_monitor = kv_monitor
+
+    async def Schedule(self, request, context):
+        queue: asyncio.Queue[generate_pb2.ScheduleResponse] = asyncio.Queue()
+        try:
+            state = self.core.submit(request, queue.put_nowait)
+        except tuple(SUBMIT_ERRORS) as e:
+            code = next(c for kind, c in SUBMIT_ERRORS.items() if isinstance(e, kind))
+            await context.abort(code, str(e))
+        await self.send(self.core.dispatch())
+        seq_id = state.seq.seq_id
+        finished = False
+        try:
+            yield generate_pb2.ScheduleResponse(accepted=True)
+            while not finished:
+                message = await queue.get()
+                finished = message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+                yield message
+        finally:
+            if not finished:  # the gateway went away (client disconnect, stop string): free the request
+                self.core.abort(seq_id)
+
+    async def Abort(self, request, context):
+        return generate_pb2.AbortResponse(found=self.core.abort(request.request_id))
+
+    async def Stats(self, request, context):
+        stats = self.core.stats()
+        stats.MergeFrom(self.kv_monitor.stats())
+        return stats
+
+    async def send(self, messages: list[tuple[bytes, worker_pb2.SchedulerMessage]]) -> None:
+        for identity, message in messages:
+            try:
+                await self.router.send_multipart([identity, message.SerializeToString()])
+            except zmq.ZMQError as e:  # EHOSTUNREACH: the worker's socket is gone
+                self.core.lose_worker_by_identity(identity, f"cannot reach worker ({e})")
+
+
+class KVStoreMonitor:
+    """Polls kv_store stats; host KV usage for /metrics and its liveness for /health."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str):
+        self.context = context
+        self.address = address
+        self.last: kv_store_pb2.KVStoreStats | None = None
+
+    def stats(self) -> generate_pb2.SchedulerStats:
+        if self.last is None:
+            return generate_pb2.SchedulerStats(kv_store_alive=False)
+        return generate_pb2.SchedulerStats(
+            kv_store_alive=True, host_blocks_total=self.last.blocks_total, host_blocks_free=self.last.blocks_free
+        )
+
+    async def run(self) -> None:
+        while True:
+            self.last = await self._poll()
+            await asyncio.sleep(KV_STORE_POLL_S)
+
+    async def _poll(self) -> kv_store_pb2.KVStoreStats | None:
+        socket = self.context.socket(zmq.REQ)  # a fresh socket per poll: a lost reply cannot wedge REQ
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(self.address)
+            await socket.send(kv_store_pb2.KVStoreRequest(stats=kv_store_pb2.StatsQuery()).SerializeToString())
+            if not await socket.poll(int(KV_STORE_POLL_S * 1000)):
+                return None
+            return kv_store_pb2.KVStoreResponse.FromString(await socket.recv()).stats
+        finally:
+            socket.close()
+
+
+async def receive_loop(service: SchedulerService, router: zmq.asyncio.Socket) -> None:
+    core = service.core
+    while True:
+        identity, payload = await router.recv_multipart()
+        message = worker_pb2.WorkerMessage.FromString(payload)
+        kind = message.WhichOneof("kind")
+        if kind == "heartbeat":
+            known = message.heartbeat.worker_id in core.workers
+            core.on_heartbeat(message.heartbeat)
+            if not known:
+                log.info("worker %d (pid %d) joined", message.heartbeat.worker_id, message.heartbeat.pid)
+        elif kind == "result":
+            core.on_result(identity, message.result)
+        await service.send(core.dispatch())
+
+
+async def liveness_loop(service: SchedulerService) -> None:
+    interval = service.core.config.worker_timeout_s / 4
+    while True:
+        await asyncio.sleep(interval)
+        for worker_id in service.core.check_liveness():
+            log.warning("worker %d missed heartbeats for %.1f s; its requests fail", worker_id, service.core.config.worker_timeout_s)
+        await service.send(service.core.dispatch())
+
+
+async def serve(config: SchedulerConfig) -> None:
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.bind(config.workers_bind)
+    service = SchedulerService(SchedulerCore(config), router, KVStoreMonitor(context, config.kv_store))
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    health = add_health_and_reflection(server, [SERVICE])
+    if server.add_insecure_port(config.grpc_bind) == 0:
+        raise RuntimeError(f"cannot listen on {config.grpc_bind}")
+    await server.start()
+    await set_serving(health, [SERVICE], True)
+    log.info("scheduler: gRPC on %s, workers on %s", config.grpc_bind, config.workers_bind)
+    tasks = [asyncio.create_task(t) for t in (receive_loop(service, router), liveness_loop(service), service.kv_monitor.run())]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await server.stop(grace=1)
+        router.close()
+        context.term()
