@@ -82,13 +82,22 @@ class GatewayMetrics:
         self.device_kv = Gauge(p + "gpu_cache_usage_perc", "Share of the workers' device KV blocks in use (0-1).")
         self.host_kv = Gauge(p + "cpu_cache_usage_perc", "Share of the kv_store host KV blocks in use (0-1).")
         self.workers_alive = Gauge(p + "workers_alive", "Workers with a recent heartbeat.")
+        self.worker_running = Gauge(p + "worker_requests_running", "Requests in the worker's running batch.")
         self.batch = Gauge(p + "decode_batch_size", "Sequences in the worker's last decode step.")
         self.batch_max = Gauge(p + "decode_batch_size_max", "Largest decode batch the worker has run.")
         self.decode_steps = Counter(p + "decode_steps_total", "Decode steps the worker has run.")
         self.decode_tokens = Counter(p + "decode_tokens_total", "Sequence-steps decoded by the worker (sum of decode batch sizes).")
         self.step_overhead = Counter(p + "step_overhead_seconds_total", "Scheduler-worker round trip time not spent in the forward pass.")
         self.preemptions = Counter(p + "num_preemptions_total", "Sequences preempted for lack of device KV blocks.")
-        self.per_worker = [self.batch, self.batch_max, self.decode_steps, self.decode_tokens, self.step_overhead, self.preemptions]
+        self.per_worker = [
+            self.worker_running,
+            self.batch,
+            self.batch_max,
+            self.decode_steps,
+            self.decode_tokens,
+            self.step_overhead,
+            self.preemptions,
+        ]
 
     def set_cluster(self, stats) -> None:
         """Copies the scheduler's SchedulerStats into the gauges."""
@@ -101,6 +110,7 @@ class GatewayMetrics:
             metric.reset()
         for w in stats.workers:
             label = str(w.worker_id)
+            self.worker_running.set(w.running, worker=label)
             self.batch.set(w.last_decode_batch, worker=label)
             self.batch_max.set(w.max_decode_batch, worker=label)
             self.decode_steps.set(w.decode_steps, worker=label)

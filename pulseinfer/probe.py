@@ -3,7 +3,7 @@
     python -m pulseinfer.probe http http://127.0.0.1:8000/health
     python -m pulseinfer.probe grpc 127.0.0.1:50052          # grpc.health.v1, overall status
     python -m pulseinfer.probe kv_store tcp://127.0.0.1:5560
-    python -m pulseinfer.probe workers 127.0.0.1:50052 --min 1
+    python -m pulseinfer.probe workers 127.0.0.1:50052 --min 1 [--worker-id 0]
 
 Exit code 0 when ready, 1 otherwise (with the reason on stderr).
 """
@@ -60,7 +60,7 @@ def kv_store(address: str, timeout_s: float = 2.0) -> kv_store_pb2.KVStoreStats:
         socket.close()
 
 
-def workers(address: str, minimum: int, timeout_s: float = 2.0) -> generate_pb2.SchedulerStats:
+def workers(address: str, minimum: int, worker_id: int | None = None, timeout_s: float = 2.0) -> generate_pb2.SchedulerStats:
     with grpc.insecure_channel(address) as channel:
         try:
             stats = generate_pb2_grpc.SchedulerStub(channel).Stats(generate_pb2.SchedulerStatsRequest(), timeout=timeout_s)
@@ -68,6 +68,8 @@ def workers(address: str, minimum: int, timeout_s: float = 2.0) -> generate_pb2.
             raise NotReady(f"scheduler at {address}: {e.code().name}") from None
     if stats.workers_alive < minimum:
         raise NotReady(f"{stats.workers_alive} of {minimum} workers alive")
+    if worker_id is not None and worker_id not in {w.worker_id for w in stats.workers}:
+        raise NotReady(f"worker {worker_id} is not registered with the scheduler")
     return stats
 
 
@@ -78,12 +80,13 @@ def main() -> int:
     parser.add_argument("kind", choices=("http", "grpc", "kv_store", "workers"))
     parser.add_argument("address")
     parser.add_argument("--min", type=int, default=1, help="workers: how many must be alive")
+    parser.add_argument("--worker-id", type=int, help="workers: this one must be alive")
     args = parser.parse_args()
     probes = {
         "http": lambda: http(args.address),
         "grpc": lambda: grpc_health(args.address),
         "kv_store": lambda: kv_store(args.address),
-        "workers": lambda: workers(args.address, args.min),
+        "workers": lambda: workers(args.address, args.min, args.worker_id),
     }
     try:
         probes[args.kind]()

@@ -238,6 +238,7 @@ class SchedulerCore:
         c = w.counters
         return generate_pb2.WorkerStats(
             worker_id=w.worker_id,
+            pid=w.pid,
             running=len(w.batcher.running),
             waiting=len(w.batcher.waiting),
             device_blocks_total=w.allocator.num_blocks,

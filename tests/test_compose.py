@@ -1,0 +1,54 @@
+"""docker-compose.yml: valid against the compose-spec schema (no engine runs here), and every
+service command parses with that service's own flags."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.server import GatewayConfig
+from gpu_worker.server import WorkerServiceConfig
+from kv_store.server import KVStoreConfig
+from pulseinfer.flags import add_flags, from_flags
+from scheduler.core import SchedulerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+SERVICE_CONFIGS = {"kv_store": KVStoreConfig, "scheduler": SchedulerConfig, "gpu_worker": WorkerServiceConfig, "gateway": GatewayConfig}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_compose_file_matches_the_compose_spec_schema():
+    checker = Path(sys.executable).parent / "check-jsonschema"
+    result = subprocess.run([str(checker), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_four_services_share_one_image_and_host_ipc(compose):
+    services = compose["services"]
+    assert set(services) == set(SERVICE_CONFIGS)
+    for name, service in services.items():
+        assert service["image"] == "pulseinfer:latest" and service["ipc"] == "host", name
+        assert service["ulimits"]["memlock"] == {"soft": -1, "hard": -1}, name
+        assert service["healthcheck"]["start_period"], name
+        assert service["command"][:3] == ["python", "-m", name]
+    assert services["gateway"]["ports"] == ["8000:8000", "50051:50051"]
+    (device,) = services["gpu_worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"]
+
+
+def test_each_command_parses_with_its_service_flags(compose):
+    for name, service in compose["services"].items():
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        add_flags(parser, SERVICE_CONFIGS[name])
+        config = from_flags(SERVICE_CONFIGS[name], parser.parse_args(service["command"][3:]))
+        assert config is not None

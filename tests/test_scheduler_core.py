@@ -1,0 +1,101 @@
+"""The scheduler's loop over workers, in-process: heartbeats and step results are fed in by hand."""
+
+from __future__ import annotations
+
+from proto.pulseinfer.v1 import generate_pb2, worker_pb2
+from scheduler.core import SchedulerConfig, SchedulerCore
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def beat(worker_id: int, pid: int = 100) -> worker_pb2.Heartbeat:
+    return worker_pb2.Heartbeat(
+        worker_id=worker_id, pid=pid, device_blocks_total=64, block_size=16, max_position=512, eos_id=0, vocab_size=100
+    )
+
+
+def request(seq_id: str, prompt: list[int], max_tokens: int = 4) -> generate_pb2.ScheduleRequest:
+    return generate_pb2.ScheduleRequest(
+        request_id=seq_id, prompt_ids=prompt, sampling=generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    )
+
+
+def answer(core: SchedulerCore, sent, token: int = 7) -> None:
+    """A worker that samples `token` for every sequence that needs one."""
+    for identity, message in sent:
+        plan = message.plan
+        tokens = [worker_pb2.SampledToken(seq_id=c.seq_id, token_id=token) for c in plan.chunks if c.HasField("sampling")]
+        core.on_result(identity, worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens))
+
+
+def test_new_requests_join_the_running_batch_between_steps():
+    core, out = SchedulerCore(SchedulerConfig()), {}
+    core.on_heartbeat(beat(0))
+    core.submit(request("a", [1, 2, 3]), lambda m, k="a": out.setdefault(k, []).append(m))
+    answer(core, core.dispatch())  # a: prefill
+    core.submit(request("b", [4, 5]), lambda m, k="b": out.setdefault(k, []).append(m))
+    (sent,) = core.dispatch()
+    chunks = sent[1].plan.chunks
+    assert [(c.seq_id, len(c.token_ids)) for c in chunks] == [("a", 1), ("b", 2)]  # a decodes while b prefills
+    answer(core, [sent])
+    for _ in range(10):
+        answer(core, core.dispatch())
+    for key in "ab":
+        tokens = [t for m in out[key] for t in m.token_ids]
+        assert tokens == [7, 7, 7, 7] and out[key][-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert core.stats().workers[0].max_decode_batch == 2
+
+
+def test_requests_go_to_the_least_loaded_worker():
+    core = SchedulerCore(SchedulerConfig())
+    core.on_heartbeat(beat(0))
+    core.on_heartbeat(beat(1))
+    placed = [core.submit(request(str(i), [1, 2]), lambda m: None).worker.worker_id for i in range(4)]
+    assert sorted(placed) == [0, 0, 1, 1]
+
+
+def test_a_silent_worker_fails_its_requests_and_frees_them():
+    clock = Clock()
+    core, out = SchedulerCore(SchedulerConfig(worker_timeout_s=3.0), clock), []
+    core.on_heartbeat(beat(0))
+    core.submit(request("a", [1, 2, 3], max_tokens=50), out.append)
+    answer(core, core.dispatch())
+    core.dispatch()  # a step in flight when the worker dies
+    clock.now = 10.0
+    assert core.check_liveness() == [0]
+    assert out[-1].finish_reason == generate_pb2.FINISH_REASON_ERROR and "worker 0" in out[-1].error
+    assert not core.requests and not core.workers
+    core.on_heartbeat(beat(0, pid=101))  # restarted: a fresh device pool
+    assert core.stats().workers[0].device_blocks_free == 64
+
+
+def test_a_restarted_worker_fails_the_old_incarnations_requests():
+    core, out = SchedulerCore(SchedulerConfig()), []
+    core.on_heartbeat(beat(0, pid=100))
+    core.submit(request("a", [1, 2]), out.append)
+    sent = core.dispatch()
+    core.on_heartbeat(beat(0, pid=200))
+    assert out[-1].finish_reason == generate_pb2.FINISH_REASON_ERROR and "restarted" in out[-1].error
+    answer(core, sent)  # the old incarnation's late answer is ignored
+    assert not core.requests
+
+
+def test_a_failed_step_fails_only_its_requests_and_abort_frees_blocks():
+    core, out = SchedulerCore(SchedulerConfig()), []
+    core.on_heartbeat(beat(0))
+    core.submit(request("a", [1, 2]), out.append)
+    ((identity, message),) = core.dispatch()
+    core.on_result(identity, worker_pb2.StepResult(step_id=message.plan.step_id, error="RuntimeError: boom"))
+    assert out[-1].finish_reason == generate_pb2.FINISH_REASON_ERROR and "boom" in out[-1].error
+    core.submit(request("b", [1, 2], max_tokens=100), out.append)
+    answer(core, core.dispatch())
+    assert core.abort("b") and not core.abort("b")
+    worker = core.workers[0]
+    assert worker.allocator.num_free == 64
+    worker.allocator.check()

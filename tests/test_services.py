@@ -1,0 +1,229 @@
+"""The cluster as separate OS processes (`pulseinfer serve`), driven by the official openai
+client, a gRPC client generated from proto/, and raw HTTP for the error cases."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import openai
+import pytest
+from cluster import ServingCluster
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
+from scheduler.request import SamplingParams
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = ServingCluster("--workers", "2", "--worker-timeout-s", "2", api_key=API_KEY)
+    yield cluster
+    assert cluster.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        yield generate_pb2_grpc.GenerationStub(channel), channel
+
+
+AUTH = (("authorization", f"Bearer {API_KEY}"),)
+
+
+def test_completion_equals_in_process_engine(client, engine):
+    prompt = "The quick brown fox jumps over the lazy dog. Then it"
+    (expected,) = engine.generate([engine.tokenizer.encode(prompt)], SamplingParams(max_tokens=24))
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert got.choices[0].text == expected.text
+    assert got.usage.completion_tokens == expected.completion_tokens
+    assert got.choices[0].finish_reason == expected.finish_reason
+
+
+def test_chat_equals_pulseinfer_generate(client):
+    cli = subprocess.run(
+        [sys.executable, "-m", "pulseinfer.cli", "generate", "--chat", "--prompt", CHAT[0]["content"], "--max-tokens", "24", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    expected = json.loads(cli.stdout)
+    got = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    assert got.choices[0].message.content == expected["text"]
+    assert got.usage.prompt_tokens == expected["prompt_tokens"]
+    assert got.usage.completion_tokens == expected["completion_tokens"]
+
+
+def test_streaming_chat_with_usage_equals_non_streaming(client):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stop_string_and_seeded_sampling(client):
+    got = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0, stop=[" 6"])
+    assert got.choices[0].text.endswith("5,") and got.choices[0].finish_reason == "stop"
+    runs = [
+        client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=7).choices[0].text
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+
+
+def test_grpc_generate_streams_the_same_text(client, stub):
+    generation, _ = stub
+    prompt = "def fibonacci(n):\n    "
+    expected = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    request = generate_pb2.GenerateRequest(text=prompt, sampling=generate_pb2.SamplingParams(max_tokens=16, temperature=0.0))
+    responses = list(generation.Generate(request, metadata=AUTH))
+    assert all(r.WhichOneof("event") == "chunk" for r in responses[:-1])
+    final = responses[-1].final
+    assert "".join(r.chunk.text for r in responses[:-1]) == expected.choices[0].text
+    assert final.usage.completion_tokens == expected.usage.completion_tokens and final.timings.e2e_s > 0
+    info = generation.GetModelInfo(generate_pb2.GetModelInfoRequest(), metadata=AUTH)
+    assert info.id == MODEL and info.max_context == 8192
+
+
+def test_grpc_errors_health_and_reflection(stub):
+    generation, channel = stub
+    with pytest.raises(grpc.RpcError) as e:
+        list(generation.Generate(generate_pb2.GenerateRequest(text="hi")))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    bad = generate_pb2.GenerateRequest(text="hi", sampling=generate_pb2.SamplingParams(max_tokens=0))
+    with pytest.raises(grpc.RpcError) as e:
+        list(generation.Generate(bad, metadata=AUTH))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        list(generation.Generate(generate_pb2.GenerateRequest(text="hi", model="gpt-4"), metadata=AUTH))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="pulseinfer.v1.Generation"))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    listing = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for s in next(listing).list_services_response.service}
+    assert {"pulseinfer.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_sixteen_concurrent_streams_are_batched(client, cluster):
+    def run(i: int) -> tuple[str, int, str]:
+        stream = client.completions.create(
+            model=MODEL, prompt=f"Story number {i}:", max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+        text, usage, reason = "", None, None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            usage = chunk.usage or usage
+        return text, usage.completion_tokens, reason
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, range(16)))
+    for text, tokens, reason in results:
+        assert reason in ("stop", "length") and 0 < tokens <= 24 and text
+    assert sum(r[1] for r in results) > 16
+    biggest = max(cluster.metric("decode_batch_size_max", worker=w) or 0 for w in ("0", "1"))
+    assert biggest >= 4, f"the 16 requests were not decoded together (largest decode batch {biggest})"
+
+
+BAD_REQUESTS = [
+    ("invalid JSON", "/v1/completions", b'{"prompt": "hi",', 400),
+    ("invalid UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400),
+    ("body not an object", "/v1/completions", b"[1, 2]", 400),
+    ("wrong type max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400),
+    ("wrong type temperature", "/v1/completions", {"prompt": "hi", "temperature": True}, 400),
+    ("wrong type prompt", "/v1/completions", {"prompt": {"text": "hi"}}, 400),
+    ("missing prompt", "/v1/completions", {"max_tokens": 4}, 400),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("max_tokens zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("max_tokens negative", "/v1/chat/completions", {"messages": CHAT, "max_tokens": -5}, 400),
+    ("prompt over the context", "/v1/completions", {"prompt": [1] * 8200, "max_tokens": 4}, 400),
+    ("prompt plus max_tokens over the context", "/v1/completions", {"prompt": [1] * 8000, "max_tokens": 500}, 400),
+    ("token id out of vocabulary", "/v1/completions", {"prompt": [10**9], "max_tokens": 4}, 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404),
+    ("temperature below zero", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400),
+    ("top_p above one", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400),
+    ("huge n", "/v1/completions", {"prompt": "hi", "n": 100000}, 400),
+    ("logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400),
+    ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
+    ("unknown route", "/v1/embeddings", {"input": "hi"}, 404),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_status_and_error_body(cluster, path, body, status):
+    got_status, got = cluster.request(path, body)
+    assert got_status == status, got
+    assert isinstance(got, dict) and got["error"]["message"] and got["error"]["type"]
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"], ids=["missing key", "wrong key"])
+def test_api_key_is_required(cluster, key):
+    status, body = cluster.request("/v1/completions", {"prompt": "hi", "max_tokens": 2}, key=key)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert cluster.request("/v1/models", key=key)[0] == 401
+    assert cluster.request("/health", key=key)[0] == 200  # probes need no key
+
+
+def test_server_keeps_serving_after_bad_inputs(cluster, client):
+    for _, path, body, _ in BAD_REQUESTS:
+        cluster.request(path, body)
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0).usage.completion_tokens >= 1
+    assert cluster.metric("num_requests_running") == 0
+
+
+def test_client_disconnect_aborts_its_request(cluster, client):
+    stream = client.completions.create(
+        model=MODEL, prompt="Write a long story:", max_tokens=2000, temperature=0, extra_body={"ignore_eos": True}, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    cluster.wait_for(lambda: cluster.metric("num_requests_running") == 0, 30, "the abandoned request to be aborted")
+
+
+def test_kill_9_of_a_worker_fails_its_stream_and_the_cluster_recovers(cluster, client):
+    stream = client.completions.create(
+        model=MODEL, prompt="Write a long story:", max_tokens=2000, temperature=0, extra_body={"ignore_eos": True}, stream=True
+    )
+    events = iter(stream)
+    next(events)
+    busy = cluster.wait_for(
+        lambda: next((w for w in "01" if cluster.metric("worker_requests_running", worker=w)), None), 10, "a busy worker"
+    )
+    victim = cluster.children()[f"gpu_worker{busy}"]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as error:
+        for _ in events:
+            pass
+    assert "worker" in str(error.value)
+    assert cluster.request("/health")[1]["workers_alive"] == 1  # the restarted worker is still loading its model
+    # the other worker serves at once; the launcher brings the killed one back
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0).choices[0].text
+    cluster.wait_for(lambda: cluster.children().get(f"gpu_worker{busy}") not in (None, victim), 30, "the worker restart")
+    cluster.wait_for(lambda: cluster.request("/health")[1].get("workers_alive") == 2, 120, "two live workers")
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0).choices[0].text
