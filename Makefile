@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint bench-dense clean proto
+.PHONY: serve test lint bench-dense bench-serving clean proto
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 serve: $(STAMP)
-	$(VENV)/bin/pulseinfer generate --chat --prompt "What is the capital of France?"
+	$(VENV)/bin/pulseinfer serve
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -28,6 +28,9 @@ lint: $(STAMP)
 
 bench-dense: $(STAMP)
 	$(PY) -m bench.dense_decode --json bench/results/dense_decode.json
+
+bench-serving: $(STAMP)
+	$(PY) -m bench.serving_overhead --json bench/results/serving_overhead.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

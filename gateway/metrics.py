@@ -85,6 +85,7 @@ class GatewayMetrics:
         self.worker_running = Gauge(p + "worker_requests_running", "Requests in the worker's running batch.")
         self.batch = Gauge(p + "decode_batch_size", "Sequences in the worker's last decode step.")
         self.batch_max = Gauge(p + "decode_batch_size_max", "Largest decode batch the worker has run.")
+        self.steps = Counter(p + "steps_total", "Steps (prefill and/or decode) the worker has run.")
         self.decode_steps = Counter(p + "decode_steps_total", "Decode steps the worker has run.")
         self.decode_tokens = Counter(p + "decode_tokens_total", "Sequence-steps decoded by the worker (sum of decode batch sizes).")
         self.step_overhead = Counter(p + "step_overhead_seconds_total", "Scheduler-worker round trip time not spent in the forward pass.")
@@ -93,6 +94,7 @@ class GatewayMetrics:
             self.worker_running,
             self.batch,
             self.batch_max,
+            self.steps,
             self.decode_steps,
             self.decode_tokens,
             self.step_overhead,
@@ -113,6 +115,7 @@ class GatewayMetrics:
             self.worker_running.set(w.running, worker=label)
             self.batch.set(w.last_decode_batch, worker=label)
             self.batch_max.set(w.max_decode_batch, worker=label)
+            self.steps.set(w.steps, worker=label)
             self.decode_steps.set(w.decode_steps, worker=label)
             self.decode_tokens.set(w.decode_tokens, worker=label)
             self.step_overhead.set(w.step_overhead_s, worker=label)

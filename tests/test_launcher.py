@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster import ServingCluster
+from pulseinfer.serving_cluster import ServingCluster
 
 
 def _alive(pid: int) -> bool:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from scheduler.core import SchedulerConfig, SchedulerCore
+from scheduler.batcher import BatcherConfig, QueueFull
+from scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
 
 
 class Clock:
@@ -99,3 +102,18 @@ def test_a_failed_step_fails_only_its_requests_and_abort_frees_blocks():
     worker = core.workers[0]
     assert worker.allocator.num_free == 64
     worker.allocator.check()
+
+
+def test_full_queue_and_no_workers_are_refused_without_side_effects():
+    core = SchedulerCore(SchedulerConfig(batcher=BatcherConfig(max_waiting=1)))
+    with pytest.raises(NoWorkers):
+        core.submit(request("a", [1, 2]), lambda m: None)
+    core.on_heartbeat(beat(0))
+    core.submit(request("a", [1, 2]), lambda m: None)
+    with pytest.raises(QueueFull):
+        core.submit(request("b", [1, 2]), lambda m: None)
+    with pytest.raises(DuplicateRequest):
+        core.submit(request("a", [1, 2]), lambda m: None)
+    with pytest.raises(ValueError, match="vocabulary"):
+        core.submit(request("c", [1, 100]), lambda m: None)
+    assert list(core.requests) == ["a"]

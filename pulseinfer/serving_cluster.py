@@ -1,4 +1,4 @@
-"""Runs `pulseinfer serve` as a real process tree for the service tests."""
+"""Runs `pulseinfer serve` as a real process tree, for the service tests and the serving benchmarks."""
 
 from __future__ import annotations
 
