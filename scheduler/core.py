@@ -80,6 +80,7 @@ class WorkerHandle:
         self.batcher = Batcher(batcher_config, self.limits, self.allocator)
         self.last_seen = now
         self.inflight: StepPlan | None = None
+        self.unsent: worker_pb2.SchedulerMessage | None = None  # the inflight plan, when the socket refused it
         self.sent_at = 0.0
         self.counters = WorkerCounters()
 
@@ -124,10 +125,20 @@ class SchedulerCore:
             self._lose_worker(handle, f"worker {handle.worker_id} stopped responding")
         return [w.worker_id for w in dead]
 
-    def lose_worker_by_identity(self, identity: bytes, reason: str) -> None:
+    def send_failed(self, identity: bytes, message: worker_pb2.SchedulerMessage) -> None:
+        """The worker's step socket is not connected (yet, or any more): keep the plan for a retry;
+        heartbeats decide whether the worker is dead."""
         handle = self._by_identity(identity)
         if handle is not None:
-            self._lose_worker(handle, reason)
+            handle.unsent = message
+
+    def take_unsent(self) -> list[tuple[bytes, worker_pb2.SchedulerMessage]]:
+        out = []
+        for worker in self.workers.values():
+            if worker.unsent is not None:
+                out.append((worker.identity, worker.unsent))
+                worker.unsent, worker.sent_at = None, self.clock()
+        return out
 
     def _lose_worker(self, handle: WorkerHandle, reason: str) -> None:
         del self.workers[handle.worker_id]

@@ -12,6 +12,7 @@ import logging
 import grpc
 import zmq
 import zmq.asyncio
+from google.protobuf.message import DecodeError
 
 from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2, worker_pb2
 from pulseinfer.grpc_common import add_health_and_reflection, set_serving
@@ -69,8 +70,8 @@ class SchedulerService(generate_pb2_grpc.SchedulerServicer):
         for identity, message in messages:
             try:
                 await self.router.send_multipart([identity, message.SerializeToString()])
-            except zmq.ZMQError as e:  # EHOSTUNREACH: the worker's socket is gone
-                self.core.lose_worker_by_identity(identity, f"cannot reach worker ({e})")
+            except zmq.ZMQError:  # EHOSTUNREACH: the step socket is not connected; retried each liveness tick
+                self.core.send_failed(identity, message)
 
 
 class KVStoreMonitor:
@@ -109,8 +110,12 @@ class KVStoreMonitor:
 async def receive_loop(service: SchedulerService, router: zmq.asyncio.Socket) -> None:
     core = service.core
     while True:
-        identity, payload = await router.recv_multipart()
-        message = worker_pb2.WorkerMessage.FromString(payload)
+        identity, *frames = await router.recv_multipart()
+        try:
+            message = worker_pb2.WorkerMessage.FromString(frames[0])
+        except (DecodeError, IndexError):
+            log.warning("dropped a malformed message from %r", identity)
+            continue
         kind = message.WhichOneof("kind")
         if kind == "heartbeat":
             known = message.heartbeat.worker_id in core.workers
@@ -128,7 +133,7 @@ async def liveness_loop(service: SchedulerService) -> None:
         await asyncio.sleep(interval)
         for worker_id in service.core.check_liveness():
             log.warning("worker %d missed heartbeats for %.1f s; its requests fail", worker_id, service.core.config.worker_timeout_s)
-        await service.send(service.core.dispatch())
+        await service.send(service.core.take_unsent() + service.core.dispatch())
 
 
 async def serve(config: SchedulerConfig) -> None:

@@ -117,3 +117,16 @@ def test_full_queue_and_no_workers_are_refused_without_side_effects():
     with pytest.raises(ValueError, match="vocabulary"):
         core.submit(request("c", [1, 100]), lambda m: None)
     assert list(core.requests) == ["a"]
+
+
+def test_a_plan_the_socket_refused_is_sent_again_not_lost():
+    core, out = SchedulerCore(SchedulerConfig()), []
+    core.on_heartbeat(beat(0))
+    core.submit(request("a", [1, 2], max_tokens=1), out.append)
+    ((identity, message),) = core.dispatch()
+    core.send_failed(identity, message)  # the step socket was not connected yet
+    assert core.dispatch() == []  # still one step in flight
+    ((again_to, again),) = core.take_unsent()
+    assert again_to == identity and again == message and core.take_unsent() == []
+    answer(core, [(again_to, again)])
+    assert out[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
