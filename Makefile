@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint bench-dense bench-serving clean proto
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool clean proto
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,9 @@ bench-dense: $(STAMP)
 
 bench-serving: $(STAMP)
 	$(PY) -m bench.serving_overhead --json bench/results/serving_overhead.json
+
+bench-host-pool: $(STAMP)
+	$(PY) -m bench.host_pool --json bench/results/host_pool.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -7,9 +7,10 @@ import argparse
 import zmq
 
 from gpu_worker.model.loader import load_model
-from gpu_worker.server import Worker, WorkerServiceConfig, register_with_kv_store
+from gpu_worker.server import Worker, WorkerServiceConfig
+from kv_store.client import KVStoreClient
 from pulseinfer.flags import add_flags, from_flags
-from pulseinfer.proc import exit_on_signals, run_service, setup_logging
+from pulseinfer.proc import run_service, setup_logging, stop_on_signals
 
 
 def main() -> None:
@@ -17,12 +18,13 @@ def main() -> None:
     add_flags(parser, WorkerServiceConfig)
     config = from_flags(WorkerServiceConfig, parser.parse_args())
     log = setup_logging(f"gpu_worker{config.worker_id}")
-    exit_on_signals()
+    stop = stop_on_signals()
     context = zmq.Context()
     try:
-        layout = register_with_kv_store(context, config)
+        kv_store = KVStoreClient(context, config.kv_store, config.kv_store_timeout_s)
+        layout = kv_store.register(config.worker_id)
         log.info("kv_store pool %s: %d blocks", layout.shm_name, layout.num_blocks)
-        Worker(config, load_model(config.model)).serve(context)
+        Worker(config, load_model(config.model)).serve(context, stop)
     finally:
         context.destroy(linger=0)
 

@@ -16,10 +16,11 @@ import zmq
 
 from gpu_worker.model.loader import LoadedModel
 from gpu_worker.runner import ModelRunner, WorkerConfig
-from proto.pulseinfer.v1 import kv_store_pb2, worker_pb2
+from proto.pulseinfer.v1 import worker_pb2
 from scheduler.wire import plan_from_proto, tokens_to_proto
 
 log = logging.getLogger("gpu_worker")
+POLL_MS = 200  # how soon a shutdown signal is noticed while idle
 
 
 @dataclass(frozen=True)
@@ -35,22 +36,6 @@ class WorkerServiceConfig:
 
 def step_identity(worker_id: int, pid: int) -> bytes:
     return f"w{worker_id}-{pid}".encode()
-
-
-def register_with_kv_store(context: zmq.Context, config: WorkerServiceConfig) -> kv_store_pb2.PoolLayout:
-    socket = context.socket(zmq.REQ)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVTIMEO, int(config.kv_store_timeout_s * 1000))
-    try:
-        socket.connect(config.kv_store)
-        request = kv_store_pb2.KVStoreRequest(register=kv_store_pb2.RegisterWorker(worker_id=config.worker_id, pid=os.getpid()))
-        socket.send(request.SerializeToString())
-        try:
-            return kv_store_pb2.KVStoreResponse.FromString(socket.recv()).layout
-        except zmq.Again:
-            raise RuntimeError(f"kv_store at {config.kv_store} did not answer within {config.kv_store_timeout_s:g} s") from None
-    finally:
-        socket.close()
 
 
 class Worker:
@@ -80,12 +65,11 @@ class Worker:
             return worker_pb2.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
         return worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens_to_proto(tokens), forward_s=time.perf_counter() - started)
 
-    def serve(self, context: zmq.Context) -> None:
+    def serve(self, context: zmq.Context, stop: threading.Event) -> None:
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTING_ID, step_identity(self.config.worker_id, os.getpid()))
         socket.connect(self.config.scheduler)
-        stop = threading.Event()
         beats = threading.Thread(target=self._beat, args=(context, stop), name="heartbeat", daemon=True)
         beats.start()
         log.info(
@@ -95,7 +79,9 @@ class Worker:
             self.config.scheduler,
         )
         try:
-            while True:
+            while not stop.is_set():
+                if not socket.poll(POLL_MS):
+                    continue
                 message = worker_pb2.SchedulerMessage.FromString(socket.recv())
                 if message.WhichOneof("kind") != "plan":
                     return

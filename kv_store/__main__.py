@@ -8,7 +8,7 @@ from gpu_worker.model.loader import load_model_meta
 from kv_store.pool import PoolGeometry
 from kv_store.server import KVStoreConfig, serve
 from pulseinfer.flags import add_flags, from_flags
-from pulseinfer.proc import exit_on_signals, run_service, setup_logging
+from pulseinfer.proc import run_service, setup_logging, stop_on_signals
 
 
 def main() -> None:
@@ -16,9 +16,9 @@ def main() -> None:
     add_flags(parser, KVStoreConfig)
     config = from_flags(KVStoreConfig, parser.parse_args())
     setup_logging("kv_store")
-    exit_on_signals()
+    stop = stop_on_signals()
     geometry = PoolGeometry.for_model(load_model_meta(config.model).config, config.block_size, config.host_kv_tokens, config.kv_dtype)
-    serve(config, geometry)
+    serve(config, geometry, stop)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ all KV heads, K and V together, is one contiguous range of `unit_bytes`.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from pathlib import Path
 from gpu_worker.model.config import ModelConfig
 
 SHM_DIR = Path("/dev/shm")
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module lacks the name
+PAGE = mmap.PAGESIZE
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -41,10 +44,22 @@ class PoolGeometry:
         return self.num_blocks * self.block_bytes
 
 
+def prefault(buffer: mmap.mmap) -> None:
+    """Backs every page now, so the first recall never pays for a page fault (and a pool the
+    machine cannot hold fails at start-up, not mid-request)."""
+    try:
+        buffer.madvise(MADV_POPULATE_WRITE)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # ENOMEM and the like: the machine cannot hold the pool
+            raise
+        for offset in range(0, len(buffer), PAGE):  # an older kernel: touch one byte per page
+            buffer[offset] = 0
+
+
 class SharedPool:
     """Owns the segment: created exclusively, unlinked on close."""
 
-    def __init__(self, name: str, geometry: PoolGeometry):
+    def __init__(self, name: str, geometry: PoolGeometry, populate: bool = True):
         self.name = name
         self.geometry = geometry
         self.path = SHM_DIR / name
@@ -52,6 +67,8 @@ class SharedPool:
         try:
             os.ftruncate(fd, geometry.total_bytes)
             self.map = mmap.mmap(fd, geometry.total_bytes)
+            if populate:
+                prefault(self.map)
         except OSError:
             os.unlink(self.path)
             raise

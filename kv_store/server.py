@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import zmq
@@ -17,6 +18,7 @@ from kv_store.pool import PoolGeometry, SharedPool
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 log = logging.getLogger("kv_store")
+POLL_MS = 200  # how soon a shutdown signal is noticed
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class KVStoreConfig:
     block_size: int = 16
     host_kv_tokens: int = 65536  # pool capacity; the segment is sparse until written
     kv_dtype: str = "float32"  # float32 on CPU workers, bfloat16 on CUDA workers
+    prefault: bool = True  # back every page at start-up
 
 
 class KVStore:
@@ -66,8 +69,8 @@ class KVStore:
         return pb.KVStoreStats(blocks_total=a.num_blocks, blocks_free=a.num_free, owners=a.num_owners, workers=len(self.workers))
 
 
-def serve(config: KVStoreConfig, geometry: PoolGeometry) -> None:
-    pool = SharedPool(f"pulseinfer-kv-{os.getpid()}", geometry)
+def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) -> None:
+    pool = SharedPool(f"pulseinfer-kv-{os.getpid()}", geometry, populate=config.prefault)
     context = zmq.Context()
     socket = context.socket(zmq.REP)
     socket.setsockopt(zmq.LINGER, 0)
@@ -77,7 +80,9 @@ def serve(config: KVStoreConfig, geometry: PoolGeometry) -> None:
         log.info(
             "host KV pool %s: %d blocks, %.2f GiB; control on %s", pool.name, geometry.num_blocks, geometry.total_bytes / 2**30, config.bind
         )
-        while True:
+        while not stop.is_set():
+            if not socket.poll(POLL_MS):
+                continue
             raw = socket.recv()
             try:
                 response = store.handle(pb.KVStoreRequest.FromString(raw))

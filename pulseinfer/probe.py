@@ -19,6 +19,7 @@ import grpc
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kv_store.client import KVStoreClient, KVStoreUnavailable
 from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2
 
 
@@ -47,17 +48,13 @@ def grpc_health(address: str, timeout_s: float = 2.0) -> None:
 
 
 def kv_store(address: str, timeout_s: float = 2.0) -> kv_store_pb2.KVStoreStats:
-    context = zmq.Context.instance()
-    socket = context.socket(zmq.REQ)
-    socket.setsockopt(zmq.LINGER, 0)
+    client = KVStoreClient(zmq.Context.instance(), address, timeout_s)
     try:
-        socket.connect(address)
-        socket.send(kv_store_pb2.KVStoreRequest(ping=kv_store_pb2.Ping()).SerializeToString())
-        if not socket.poll(int(timeout_s * 1000)):
-            raise NotReady(f"kv_store at {address} did not answer")
-        return kv_store_pb2.KVStoreResponse.FromString(socket.recv()).stats
+        return client.stats()
+    except KVStoreUnavailable as e:
+        raise NotReady(str(e)) from None
     finally:
-        socket.close()
+        client.close()
 
 
 def workers(address: str, minimum: int, worker_id: int | None = None, timeout_s: float = 2.0) -> generate_pb2.SchedulerStats:

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 PR_SET_PDEATHSIG = 1
 
@@ -18,14 +19,17 @@ def setup_logging(service: str) -> logging.Logger:
     return logging.getLogger(service)
 
 
-def exit_on_signals() -> None:
-    """SIGTERM/SIGINT raise SystemExit in the main thread, so `finally` blocks release what they hold."""
+def stop_on_signals() -> threading.Event:
+    """SIGTERM/SIGINT set the returned event; service loops poll it and then release what they
+    hold. (An exception raised from a signal handler can land in a destructor and be lost.)"""
+    stop = threading.Event()
 
-    def handler(signum: int, _frame) -> None:
-        raise SystemExit(128 + signum)
+    def handler(_signum: int, _frame) -> None:
+        stop.set()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    return stop
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -7,7 +7,7 @@ import argparse
 import uvloop
 
 from pulseinfer.flags import add_flags, from_flags
-from pulseinfer.proc import exit_on_signals, run_service, setup_logging
+from pulseinfer.proc import run_service, setup_logging
 from scheduler.core import SchedulerConfig
 from scheduler.server import serve
 
@@ -17,7 +17,6 @@ def main() -> None:
     add_flags(parser, SchedulerConfig)
     config = from_flags(SchedulerConfig, parser.parse_args())
     setup_logging("scheduler")
-    exit_on_signals()
     uvloop.run(serve(config))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import grpc
 import zmq
@@ -151,9 +152,15 @@ async def serve(config: SchedulerConfig) -> None:
     await server.start()
     await set_serving(health, [SERVICE], True)
     log.info("scheduler: gRPC on %s, workers on %s", config.grpc_bind, config.workers_bind)
-    tasks = [asyncio.create_task(t) for t in (receive_loop(service, router), liveness_loop(service), service.kv_monitor.run())]
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    loops = [receive_loop(service, router), liveness_loop(service), service.kv_monitor.run(), stop.wait()]
+    tasks = [asyncio.create_task(t) for t in loops]
     try:
-        await asyncio.gather(*tasks)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # a loop that failed takes the scheduler down with its error
     finally:
         for task in tasks:
             task.cancel()

@@ -26,7 +26,7 @@ def _kv_segments() -> set[str]:
 
 def test_children_die_with_a_launcher_killed_by_sigkill():
     before = _kv_segments()
-    cluster = ServingCluster("--workers", "1")
+    cluster = ServingCluster("--workers", "1", "--host-kv-tokens", "16384")
     children = cluster.children()
     assert set(children) == {"kv_store", "scheduler", "gpu_worker0", "gateway"}
     assert _kv_segments() - before, "the kv_store holds no shared-memory pool"

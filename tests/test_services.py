@@ -27,7 +27,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = ServingCluster("--workers", "2", "--worker-timeout-s", "2", api_key=API_KEY)
+    cluster = ServingCluster("--workers", "2", "--worker-timeout-s", "2", "--host-kv-tokens", "16384", api_key=API_KEY)
     yield cluster
     assert cluster.stop() == 0
 

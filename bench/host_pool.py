@@ -1,0 +1,87 @@
+"""Host KV pool bandwidth: write-back and read-back through a worker's mapping of the
+kv_store segment, against a plain contiguous copy of the same bytes, in one run.
+
+    python -m bench.host_pool [--blocks 2048] [--batch 256] [--json OUT]
+
+Write-back: one full block (all heads, K and V, one layer) from the device cache's
+slot-major layout into its pool unit. Read-back: one index_select of `batch` scattered units
+of a layer. Baseline: torch copy_ of a contiguous buffer of the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_worker.model.loader import load_model_meta
+from kv_store.pool import PoolGeometry, SharedPool
+from kv_store.server import KVStore
+from kv_store.view import PoolView
+
+BLOCK = 16
+
+
+def _seconds(fn, repeats: int) -> float:
+    fn()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - started) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=2048, help="pool size in blocks")
+    parser.add_argument("--batch", type=int, default=256, help="blocks per write-back round and per read-back gather")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the I/O engine runs on one core of its own
+
+    config = load_model_meta().config
+    geometry = PoolGeometry.for_model(config, BLOCK, args.blocks * BLOCK, "float32")
+    pool = SharedPool("pulseinfer-kv-bench", geometry)
+    view = PoolView(KVStore(pool).layout(), config.num_kv_heads, BLOCK, config.head_dim, torch.float32)
+    try:
+        heads, dim = config.num_kv_heads, config.head_dim
+        device_k = torch.randn(args.batch, BLOCK, heads, dim)
+        device_v = torch.randn(args.batch, BLOCK, heads, dim)
+        blocks = torch.randperm(args.blocks)[: args.batch]
+        layer = config.num_layers // 2
+
+        def write_back() -> None:
+            for i, block in enumerate(blocks.tolist()):
+                view.write(block, layer, device_k[i], device_v[i])
+
+        out = torch.empty(args.batch, 2, heads, BLOCK, dim)
+
+        def read_back() -> None:
+            torch.index_select(view.blocks[:, layer], 0, blocks, out=out)
+
+        nbytes = out.numel() * out.element_size()
+        source, target = torch.randn(out.numel()), torch.empty(out.numel())
+        results = {
+            "unit_bytes": geometry.unit_bytes,
+            "bytes_per_round": nbytes,
+            "memcpy_gbps": nbytes / _seconds(lambda: target.copy_(source), args.repeats) / 1e9,
+            "write_back_gbps": nbytes / _seconds(write_back, args.repeats) / 1e9,
+            "read_back_gbps": nbytes / _seconds(read_back, args.repeats) / 1e9,
+        }
+        results["write_back_over_memcpy"] = results["write_back_gbps"] / results["memcpy_gbps"]
+        results["read_back_over_memcpy"] = results["read_back_gbps"] / results["memcpy_gbps"]
+    finally:
+        view.close()
+        pool.close()
+    for key, value in results.items():
+        print(f"{key:24s} {value:.3f}" if isinstance(value, float) else f"{key:24s} {value}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json"}, **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The host KV pool across processes: a real kv_store process, two mapper processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from kv_store.allocator import PoolExhausted
+from kv_store.client import KVStoreClient
+from kv_store.view import PoolMismatch, PoolView
+from pulseinfer import probe
+
+# SmolLM2-135M: 3 kv heads x 64 dims; the pool is for fp32, block 16
+KV_HEADS, HEAD_DIM, BLOCK = 3, 64, 16
+POOL_TOKENS = 64 * BLOCK
+
+# One mapper process: registers, maps the pool, then writes or checks seeded blocks.
+MAPPER = textwrap.dedent(
+    """
+    import sys, torch, zmq
+    from kv_store.client import KVStoreClient
+    from kv_store.view import PoolView
+    action, address, owner, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    client = KVStoreClient(zmq.Context.instance(), address)
+    view = PoolView(client.register(worker_id=1 if action == "write" else 2), 3, 16, 64, torch.float32)
+    generator = torch.Generator().manual_seed(1234)
+    if action == "write":
+        blocks = client.allocate(owner, count)
+        for block in blocks:
+            for layer in range(view.blocks.shape[1]):
+                k, v = (torch.randn(16, 3, 64, generator=generator) for _ in range(2))
+                view.write(block, layer, k, v)
+        print(" ".join(map(str, blocks)))
+    else:
+        blocks = [int(b) for b in sys.argv[5].split()]
+        for block in blocks:
+            for layer in range(view.blocks.shape[1]):
+                k, v = (torch.randn(16, 3, 64, generator=generator) for _ in range(2))
+                unit = view.read(torch.tensor([block]), layer)[0]
+                assert torch.equal(unit[0], k.transpose(0, 1)) and torch.equal(unit[1], v.transpose(0, 1)), (block, layer)
+        print("ok")
+    view.close()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def kv_store(tmp_path_factory):
+    address = f"ipc://{tmp_path_factory.mktemp('kv')}/kv_store"
+    process = subprocess.Popen([sys.executable, "-m", "kv_store", "--bind", address, "--host-kv-tokens", str(POOL_TOKENS)])
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            probe.kv_store(address)
+            break
+        except probe.NotReady:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise
+            time.sleep(0.2)
+    yield address
+    process.terminate()
+    assert process.wait(timeout=30) == 0  # SIGTERM is a clean shutdown
+
+
+def _mapper(*args: str) -> str:
+    result = subprocess.run([sys.executable, "-c", MAPPER, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_blocks_written_by_one_process_read_back_bit_exact_by_another(kv_store):
+    blocks = _mapper("write", kv_store, "request-a", "5")
+    assert len(blocks.split()) == 5
+    assert _mapper("check", kv_store, "request-a", "5", blocks) == "ok"
+
+
+def test_exhaustion_is_a_clear_error_and_harms_nothing_stored(kv_store):
+    client = KVStoreClient(zmq.Context.instance(), kv_store)
+    layout = client.register(worker_id=3)
+    view = PoolView(layout, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
+    try:
+        mine = client.allocate("request-b", 4)
+        for block in mine:
+            view.blocks[block].normal_()
+        before = view.blocks.clone()
+        free = client.stats().blocks_free
+        with pytest.raises(PoolExhausted, match="need"):
+            client.allocate("request-c", free + 1)
+        assert client.stats().blocks_free == free  # all or nothing
+        assert torch.equal(view.blocks, before)
+        assert client.release("request-b") == 4 and client.release("request-b") == 0
+    finally:
+        view.close()
+        client.close()
+
+
+def test_a_worker_with_another_geometry_is_refused(kv_store):
+    client = KVStoreClient(zmq.Context.instance(), kv_store)
+    try:
+        with pytest.raises(PoolMismatch, match="--kv-dtype"):
+            PoolView(client.register(worker_id=4), KV_HEADS, BLOCK, HEAD_DIM, torch.bfloat16)
+    finally:
+        client.close()
+
+
+def test_the_segment_is_gone_after_shutdown(tmp_path):
+    address = f"ipc://{tmp_path}/kv"
+    process = subprocess.Popen([sys.executable, "-m", "kv_store", "--bind", address, "--host-kv-tokens", str(POOL_TOKENS)])
+    segment = Path(f"/dev/shm/pulseinfer-kv-{process.pid}")
+    deadline = time.monotonic() + 60
+    while not segment.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert segment.exists()
+    process.terminate()
+    process.wait(timeout=30)
+    assert not segment.exists()
