@@ -3,9 +3,9 @@ kv_store segment, against a plain contiguous copy of the same bytes, in one run.
 
     python -m bench.host_pool [--blocks 2048] [--batch 256] [--json OUT]
 
-Write-back: one full block (all heads, K and V, one layer) from the device cache's
-slot-major layout into its pool unit. Read-back: one index_select of `batch` scattered units
-of a layer. Baseline: torch copy_ of a contiguous buffer of the same size.
+Write-back: `batch` full blocks of one layer (all heads, K and V) from the device cache's
+slot-major layout into their pool units (a transposing stack, then one scatter). Read-back: one index_select of `batch` scattered units
+of a layer into a reused buffer. Baseline: torch copy_ of a contiguous buffer of the same size.
 """
 
 from __future__ import annotations
@@ -54,16 +54,15 @@ def main() -> None:
         layer = config.num_layers // 2
 
         def write_back() -> None:
-            for i, block in enumerate(blocks.tolist()):
-                view.write(block, layer, device_k[i], device_v[i])
+            view.write(blocks, layer, device_k, device_v)
 
-        out = torch.empty(args.batch, 2, heads, BLOCK, dim)
+        hot = torch.empty(args.batch, 2, heads, BLOCK, dim)  # the worker's reused recall buffer
 
         def read_back() -> None:
-            torch.index_select(view.blocks[:, layer], 0, blocks, out=out)
+            view.read(blocks, layer, out=hot)
 
-        nbytes = out.numel() * out.element_size()
-        source, target = torch.randn(out.numel()), torch.empty(out.numel())
+        nbytes = device_k.numel() * device_k.element_size() * 2
+        source, target = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
         results = {
             "unit_bytes": geometry.unit_bytes,
             "bytes_per_round": nbytes,

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from kv_store.pool import SHM_DIR
+from kv_store.pool import SHM_DIR, prefault
 from proto.pulseinfer.v1 import kv_store_pb2
 
 
@@ -33,21 +33,29 @@ class PoolView:
         fd = os.open(SHM_DIR / layout.shm_name, os.O_RDWR)
         try:
             self._map = mmap.mmap(fd, layout.num_blocks * layout.num_layers * unit)
+            prefault(self._map)  # this process's page tables too: no minor faults on the first recalls
         finally:
             os.close(fd)
         flat = torch.frombuffer(self._map, dtype=dtype)
+        self.num_layers = layout.num_layers
         self.blocks = flat.view(layout.num_blocks, layout.num_layers, 2, kv_heads, block_size, head_dim)
+        # one row per (block, layer) unit: gathers and scatters on a contiguous 2-d tensor take torch's fast row-copy path
+        self._units = flat.view(layout.num_blocks * layout.num_layers, -1)
+        self._unit_shape = (2, kv_heads, block_size, head_dim)
 
-    def write(self, block: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [block_size, kv_heads, head_dim], the device cache's slot-major layout."""
-        unit = self.blocks[block, layer]
-        unit[0].copy_(k.transpose(0, 1))
-        unit[1].copy_(v.transpose(0, 1))
+    def write(self, blocks: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes back full blocks of one layer in one scatter.
+        k, v: [n, block_size, kv_heads, head_dim], the device cache's slot-major layout."""
+        units = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=1)  # into the pool's unit layout
+        self._units.index_copy_(0, blocks * self.num_layers + layer, units.view(len(blocks), -1))
 
-    def read(self, blocks: torch.Tensor, layer: int) -> torch.Tensor:
-        """[n, 2, kv_heads, block_size, head_dim] for host blocks `blocks` of one layer, one gather."""
-        return self.blocks[:, layer].index_select(0, blocks)
+    def read(self, blocks: torch.Tensor, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, 2, kv_heads, block_size, head_dim] for host blocks `blocks` of one layer, one gather
+        (into `out`, a reused buffer, when given: a fresh one costs page faults)."""
+        rows = None if out is None else out.view(len(blocks), -1)
+        rows = torch.index_select(self._units, 0, blocks * self.num_layers + layer, out=rows)
+        return rows.view(len(blocks), *self._unit_shape)
 
     def close(self) -> None:
-        del self.blocks
+        del self.blocks, self._units
         self._map.close()

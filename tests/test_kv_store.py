@@ -33,18 +33,16 @@ MAPPER = textwrap.dedent(
     generator = torch.Generator().manual_seed(1234)
     if action == "write":
         blocks = client.allocate(owner, count)
-        for block in blocks:
-            for layer in range(view.blocks.shape[1]):
-                k, v = (torch.randn(16, 3, 64, generator=generator) for _ in range(2))
-                view.write(block, layer, k, v)
+        for layer in range(view.blocks.shape[1]):
+            k, v = (torch.randn(count, 16, 3, 64, generator=generator) for _ in range(2))
+            view.write(torch.tensor(blocks), layer, k, v)
         print(" ".join(map(str, blocks)))
     else:
-        blocks = [int(b) for b in sys.argv[5].split()]
-        for block in blocks:
-            for layer in range(view.blocks.shape[1]):
-                k, v = (torch.randn(16, 3, 64, generator=generator) for _ in range(2))
-                unit = view.read(torch.tensor([block]), layer)[0]
-                assert torch.equal(unit[0], k.transpose(0, 1)) and torch.equal(unit[1], v.transpose(0, 1)), (block, layer)
+        blocks = torch.tensor([int(b) for b in sys.argv[5].split()])
+        for layer in range(view.blocks.shape[1]):
+            k, v = (torch.randn(count, 16, 3, 64, generator=generator) for _ in range(2))
+            units = view.read(blocks, layer)
+            assert torch.equal(units[:, 0], k.transpose(1, 2)) and torch.equal(units[:, 1], v.transpose(1, 2)), layer
         print("ok")
     view.close()
     """
