@@ -169,25 +169,25 @@ class HttpApi:
     async def _sse(self, shape: ResponseShape, first: Delta | Final, events: AsyncIterator[Delta | Final], include_usage: bool):
         # a client that disconnects cancels this generator; core.generate's finally aborts the request
         if shape.chat:
-            yield _sse(shape.chunk("", role=True))
+            yield _sse_line(shape.chunk("", role=True))
         event = first
         try:
             while isinstance(event, Delta):
                 if event.text:
-                    yield _sse(shape.chunk(event.text))
+                    yield _sse_line(shape.chunk(event.text))
                 event = await anext(events)
         finally:
             await events.aclose()
         if event.finish_reason == "error":
-            yield _sse(ApiError(503, event.error, code="worker_failed").body())
+            yield _sse_line(ApiError(503, event.error, code="worker_failed").body())
         else:
-            yield _sse(shape.chunk(None if shape.chat else "", reason=finish_reason(event)))
+            yield _sse_line(shape.chunk(None if shape.chat else "", reason=finish_reason(event)))
             if include_usage:
-                yield _sse(shape.usage_chunk(event))
+                yield _sse_line(shape.usage_chunk(event))
         yield "data: [DONE]\n\n"
 
 
-def _sse(body: dict) -> str:
+def _sse_line(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
