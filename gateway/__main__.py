@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-
 import uvloop
 
 from gateway.server import GatewayConfig, serve
-from pulseinfer.flags import add_flags, from_flags
+from pulseinfer.flags import parse_config
 from pulseinfer.proc import run_service, setup_logging
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m gateway", description="PulseInfer gateway: OpenAI HTTP and gRPC")
-    add_flags(parser, GatewayConfig)
-    config = from_flags(GatewayConfig, parser.parse_args())
+    config = parse_config(GatewayConfig, "python -m gateway", "PulseInfer gateway: OpenAI HTTP and gRPC")
     setup_logging("gateway")
     uvloop.run(serve(config))
 

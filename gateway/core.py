@@ -16,7 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gpu_worker.model.loader import ModelMeta
 from gpu_worker.tokenizer import TextStream
 from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
-from scheduler.request import SamplingParams
+from scheduler.request import SamplingParams, check_token_ids
 from scheduler.wire import params_to_proto
 
 FINISH_NAMES = {
@@ -80,9 +80,7 @@ class GatewayCore:
         vocab = self.meta.config.vocab_size
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary range [0, {vocab}): {bad[:4]}")
+        check_token_ids(prompt_ids, vocab, "prompt token ids")
         room = self.max_context - len(prompt_ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_context} tokens")

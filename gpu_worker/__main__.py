@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-
 import zmq
 
 from gpu_worker.model.loader import load_model
 from gpu_worker.server import Worker, WorkerServiceConfig
 from kv_store.client import KVStoreClient
-from pulseinfer.flags import add_flags, from_flags
+from pulseinfer.flags import parse_config
 from pulseinfer.proc import run_service, setup_logging, stop_on_signals
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m gpu_worker", description="PulseInfer decode worker")
-    add_flags(parser, WorkerServiceConfig)
-    config = from_flags(WorkerServiceConfig, parser.parse_args())
+    config = parse_config(WorkerServiceConfig, "python -m gpu_worker", "PulseInfer decode worker")
     log = setup_logging(f"gpu_worker{config.worker_id}")
     stop = stop_on_signals()
     context = zmq.Context()

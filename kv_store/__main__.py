@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-
 from gpu_worker.model.loader import load_model_meta
 from kv_store.pool import PoolGeometry
 from kv_store.server import KVStoreConfig, serve
-from pulseinfer.flags import add_flags, from_flags
+from pulseinfer.flags import parse_config
 from pulseinfer.proc import run_service, setup_logging, stop_on_signals
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m kv_store", description="PulseInfer host KV store")
-    add_flags(parser, KVStoreConfig)
-    config = from_flags(KVStoreConfig, parser.parse_args())
+    config = parse_config(KVStoreConfig, "python -m kv_store", "PulseInfer host KV store")
     setup_logging("kv_store")
     stop = stop_on_signals()
     geometry = PoolGeometry.for_model(load_model_meta(config.model).config, config.block_size, config.host_kv_tokens, config.kv_dtype)

@@ -6,7 +6,6 @@ without the sockets; used by `pulseinfer generate`, the evals and the tests.
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,13 +63,8 @@ class Engine:
         self.load_seconds = time.perf_counter() - started
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
-        params.validate(self.loaded.config.vocab_size)
-        bad = [t for t in prompt_ids if not 0 <= t < self.loaded.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary range: {bad[:4]}")
         seq_id = seq_id or uuid.uuid4().hex
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        seq = Sequence(seq_id, list(prompt_ids), params, seed)
+        seq = Sequence.admit(seq_id, prompt_ids, params, self.loaded.config.vocab_size)
         self.batcher.add(seq)
         self._seqs[seq_id] = seq
         self._streams[seq_id] = TextStream(self.tokenizer, params.stop, prompt_ids)

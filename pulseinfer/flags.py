@@ -41,6 +41,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
             parser.add_argument(_flag(field.name), type=kind, default=default, help=f"(default: {default})")
 
 
+def parse_config(cls: type[T], prog: str, description: str, argv: list[str] | None = None) -> T:
+    """A service's whole command line: one flag per config field."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_flags(parser, cls)
+    return from_flags(cls, parser.parse_args(argv))
+
+
 def from_flags(cls: type[T], args: argparse.Namespace) -> T:
     """Builds cls (and its nested configs) from parsed flags; fields without a flag keep defaults."""
     hints = typing.get_type_hints(cls)

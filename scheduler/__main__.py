@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-
 import uvloop
 
-from pulseinfer.flags import add_flags, from_flags
+from pulseinfer.flags import parse_config
 from pulseinfer.proc import run_service, setup_logging
 from scheduler.core import SchedulerConfig
 from scheduler.server import serve
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m scheduler", description="PulseInfer scheduler")
-    add_flags(parser, SchedulerConfig)
-    config = from_flags(SchedulerConfig, parser.parse_args())
+    config = parse_config(SchedulerConfig, "python -m scheduler", "PulseInfer scheduler")
     setup_logging("scheduler")
     uvloop.run(serve(config))
 

@@ -8,7 +8,6 @@ The server feeds heartbeats and results in and sends out what `dispatch` returns
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 from collections.abc import Callable
@@ -158,13 +157,7 @@ class SchedulerCore:
         worker = min(self.workers.values(), key=lambda w: w.load, default=None)
         if worker is None:
             raise NoWorkers("no worker is alive")
-        params = params_from_proto(request.sampling)
-        params.validate(worker.vocab_size)
-        prompt = list(request.prompt_ids)
-        bad = [t for t in prompt if t >= worker.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary range [0, {worker.vocab_size}): {bad[:4]}")
-        seq = Sequence(seq_id, prompt, params, params.seed if params.seed is not None else random.getrandbits(63))
+        seq = Sequence.admit(seq_id, list(request.prompt_ids), params_from_proto(request.sampling), worker.vocab_size)
         worker.batcher.add(seq)
         state = self.requests[seq_id] = RequestState(seq, worker, sink, self.clock())
         return state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import random
 from dataclasses import dataclass, field
 
 from scheduler.plan import SamplingSpec
@@ -43,9 +44,13 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids out of vocabulary range [0, {vocab_size}): {bad[:4]}")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+
+
+def check_token_ids(ids, vocab_size: int, what: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} out of vocabulary range [0, {vocab_size}): {bad[:4]}")
 
 
 class SeqStatus(enum.Enum):
@@ -65,6 +70,14 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+
+    @classmethod
+    def admit(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> Sequence:
+        """Checks a request (ValueError naming the problem) and draws its seed when it has none."""
+        params.validate(vocab_size)
+        check_token_ids(prompt_ids, vocab_size, "prompt token ids")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return cls(seq_id, list(prompt_ids), params, seed)
 
     @property
     def all_ids(self) -> list[int]:
