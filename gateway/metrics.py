@@ -90,7 +90,16 @@ class GatewayMetrics:
         self.decode_tokens = Counter(p + "decode_tokens_total", "Sequence-steps decoded by the worker (sum of decode batch sizes).")
         self.step_overhead = Counter(p + "step_overhead_seconds_total", "Scheduler-worker round trip time not spent in the forward pass.")
         self.preemptions = Counter(p + "num_preemptions_total", "Sequences preempted for lack of device KV blocks.")
+        self.offloaded = Gauge(p + "worker_requests_offloaded", "Running requests whose KV lives mostly in the host pool.")
+        self.device_blocks_used = Gauge(p + "worker_device_kv_blocks_used", "Device KV blocks in use on the worker (its capped pool).")
+        self.device_blocks_total = Gauge(p + "worker_device_kv_blocks_total", "Device KV blocks of the worker's capped pool.")
+        self.host_blocks_used = Gauge(p + "host_kv_blocks_used", "kv_store host KV blocks in use.")
+        self.host_blocks_total = Gauge(p + "host_kv_blocks_total", "kv_store host KV blocks.")
+        self.allocators_corrupt = Gauge(p + "kv_allocators_corrupt", "Block allocators failing their self-check (0: healthy).")
         self.per_worker = [
+            self.offloaded,
+            self.device_blocks_used,
+            self.device_blocks_total,
             self.worker_running,
             self.batch,
             self.batch_max,
@@ -108,6 +117,9 @@ class GatewayMetrics:
         self.workers_alive.set(stats.workers_alive)
         self.device_kv.set(_used(stats.device_blocks_total, stats.device_blocks_free))
         self.host_kv.set(_used(stats.host_blocks_total, stats.host_blocks_free))
+        self.host_blocks_used.set(stats.host_blocks_total - stats.host_blocks_free)
+        self.host_blocks_total.set(stats.host_blocks_total)
+        self.allocators_corrupt.set(sum(1 for w in stats.workers if w.integrity_error) + bool(stats.host_integrity_error))
         for metric in self.per_worker:
             metric.reset()
         for w in stats.workers:
@@ -120,6 +132,9 @@ class GatewayMetrics:
             self.decode_tokens.set(w.decode_tokens, worker=label)
             self.step_overhead.set(w.step_overhead_s, worker=label)
             self.preemptions.set(w.preemptions, worker=label)
+            self.offloaded.set(w.offloaded, worker=label)
+            self.device_blocks_used.set(w.device_blocks_total - w.device_blocks_free, worker=label)
+            self.device_blocks_total.set(w.device_blocks_total, worker=label)
 
     def render(self) -> str:
         return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))])

@@ -5,8 +5,10 @@ from __future__ import annotations
 import zmq
 
 from gpu_worker.model.loader import load_model
+from gpu_worker.offload import HostTier
 from gpu_worker.server import Worker, WorkerServiceConfig
 from kv_store.client import KVStoreClient
+from kv_store.view import PoolView
 from pulseinfer.flags import parse_config
 from pulseinfer.proc import run_service, setup_logging, stop_on_signals
 
@@ -18,9 +20,15 @@ def main() -> None:
     context = zmq.Context()
     try:
         kv_store = KVStoreClient(context, config.kv_store, config.kv_store_timeout_s)
-        layout = kv_store.register(config.worker_id)
-        log.info("kv_store pool %s: %d blocks", layout.shm_name, layout.num_blocks)
-        Worker(config, load_model(config.model)).serve(context, stop)
+        loaded = load_model(config.model)
+        c, w = loaded.config, config.worker
+
+        def attach() -> PoolView:
+            layout = kv_store.register(config.worker_id)
+            log.info("kv_store pool %s: %d blocks", layout.shm_name, layout.num_blocks)
+            return PoolView.attach(layout, c.num_kv_heads, w.block_size, c.head_dim, w.torch_dtype())
+
+        Worker(config, loaded, HostTier(attach(), kv_store, attach)).serve(context, stop)
     finally:
         context.destroy(linger=0)
 

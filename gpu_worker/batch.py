@@ -11,9 +11,10 @@ from scheduler.plan import StepPlan
 
 @dataclass(frozen=True)
 class PrefillSpan:
+    seq_id: str
     start: int  # index of the chunk's first token in the flat batch
     end: int
-    ctx_blocks: torch.Tensor  # blocks holding context positions 0 .. ctx_len-1
+    ctx_blocks: torch.Tensor | None  # blocks holding context positions 0 .. ctx_len-1; None when offloaded
     ctx_len: int
 
 
@@ -21,12 +22,16 @@ class PrefillSpan:
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    write_slots: torch.Tensor  # [T] where each token's k/v goes
+    resident_index: torch.Tensor  # [R] flat index of the tokens of resident chunks
+    write_slots: torch.Tensor  # [R] where each of those tokens' k/v goes
     decode_index: torch.Tensor  # [b] flat index of the single token of each decode chunk
-    decode_block_tables: torch.Tensor  # [b, max_blocks]
+    decode_seq_ids: tuple[str, ...]  # [b]
+    decode_rows: tuple[torch.Tensor, ...]  # [b] block table rows (offloaded rows: placeholders filled per layer)
+    decode_block_tables: torch.Tensor  # [b, max_blocks], decode_rows padded
     decode_ctx_lens: torch.Tensor  # [b]
     prefills: tuple[PrefillSpan, ...]
     sample_index: torch.Tensor  # [S] flat index of the tokens whose logits are sampled
+    chunk_starts: dict[str, int]  # seq_id -> flat index of its chunk's first token
 
 
 def token_slots(block_table: tuple[int, ...], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -38,21 +43,27 @@ def token_slots(block_table: tuple[int, ...], start: int, end: int, block_size: 
 
 
 def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> ForwardBatch:
-    input_ids, positions, write_slots, sample_index = [], [], [], []
-    decode_index, decode_tables, decode_lens, prefills = [], [], [], []
+    input_ids, positions, resident_index, write_slots, sample_index = [], [], [], [], []
+    decode_index, decode_ids, decode_rows, decode_lens, prefills, starts = [], [], [], [], [], {}
     offset = 0
     for chunk in plan.chunks:
         n = len(chunk.token_ids)
+        starts[chunk.seq_id] = offset
         input_ids.extend(chunk.token_ids)
         positions.append(torch.arange(chunk.start_pos, chunk.end_pos))
-        write_slots.append(token_slots(chunk.block_table, chunk.start_pos, chunk.end_pos, block_size))
-        blocks = torch.tensor(chunk.block_table[: -(-chunk.end_pos // block_size)], dtype=torch.long)
+        # an offloaded chunk's table is its device footprint, not position-indexed: the offload step places its tokens
+        blocks = torch.tensor(chunk.block_table[: 1 if chunk.offloaded else -(-chunk.end_pos // block_size)], dtype=torch.long)
+        if not chunk.offloaded:
+            resident_index.append(torch.arange(offset, offset + n))
+            write_slots.append(token_slots(chunk.block_table, chunk.start_pos, chunk.end_pos, block_size))
         if n == 1:
             decode_index.append(offset)
-            decode_tables.append(blocks)
+            decode_ids.append(chunk.seq_id)
+            decode_rows.append(blocks)
             decode_lens.append(chunk.end_pos)
         else:
-            prefills.append(PrefillSpan(offset, offset + n, blocks.to(device), chunk.end_pos))
+            ctx_blocks = None if chunk.offloaded else blocks.to(device)
+            prefills.append(PrefillSpan(chunk.seq_id, offset, offset + n, ctx_blocks, chunk.end_pos))
         offset += n
         if chunk.sampling is not None:
             sample_index.append(offset - 1)
@@ -60,19 +71,26 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Forwar
     def to(values, dtype=torch.long) -> torch.Tensor:
         return torch.as_tensor(values, dtype=dtype).to(device)
 
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
+
     return ForwardBatch(
         input_ids=to(input_ids),
         positions=torch.cat(positions).to(device),
-        write_slots=torch.cat(write_slots).to(device),
+        resident_index=cat(resident_index),
+        write_slots=cat(write_slots),
         decode_index=to(decode_index),
-        decode_block_tables=_pad_tables(decode_tables).to(device),
+        decode_seq_ids=tuple(decode_ids),
+        decode_rows=tuple(decode_rows),
+        decode_block_tables=pad_tables(decode_rows).to(device),
         decode_ctx_lens=to(decode_lens),
         prefills=tuple(prefills),
         sample_index=to(sample_index),
+        chunk_starts=starts,
     )
 
 
-def _pad_tables(rows: list[torch.Tensor]) -> torch.Tensor:
+def pad_tables(rows: list[torch.Tensor]) -> torch.Tensor:
     """Pads each row with its own first block, so padding never points at unwritten memory."""
     width = max((len(r) for r in rows), default=0)
     padded = torch.empty(len(rows), width, dtype=torch.long)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -10,8 +11,11 @@ from gpu_worker.batch import build_batch
 from gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.loader import LoadedModel
+from gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
 from gpu_worker.sampler import sample
-from scheduler.plan import SampledToken, StepPlan
+from scheduler.plan import SampledToken, StepOutcome, StepPlan
+
+log = logging.getLogger("gpu_worker")
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,7 @@ class WorkerConfig:
     dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
     block_size: int = 16
     device_kv_tokens: int = 65536  # capacity of the device KV pool
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def torch_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -43,20 +48,49 @@ class WorkerConfig:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: WorkerConfig):
+    def __init__(self, loaded: LoadedModel, config: WorkerConfig, host: HostTier | None = None):
         self.config = config
         self.device = config.torch_device()
-        dtype = config.torch_dtype()
-        self.model = LlamaModel(loaded.config, loaded.weights, self.device, dtype)
-        self.cache = PagedKVCache(loaded.config, config.cache_spec(), dtype, self.device)
+        self.dtype = config.torch_dtype()
+        self.model_config = loaded.config
+        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype)
+        self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device)
+        self.offload = None if host is None else self._offload_manager(host)
+
+    def _offload_manager(self, host: HostTier) -> OffloadManager:
+        geometry = self.config.offload.geometry(self.config.block_size)
+        if geometry.device_blocks > self.cache.spec.num_blocks:
+            log.warning(
+                "an offloaded request holds %d device blocks (--sink + --recent + --budget), more than the device KV pool's %d: "
+                "nothing will be offloaded",
+                geometry.device_blocks,
+                self.cache.spec.num_blocks,
+            )
+        return OffloadManager(geometry, self.model_config.num_layers, host)
 
     @property
     def cache_spec(self) -> KVCacheSpec:
         return self.cache.spec
 
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
+    @property
+    def offload_blocks(self) -> int:
+        """Device blocks one offloaded request holds; 0 without a host pool (nothing can be offloaded)."""
+        return self.offload.geometry.device_blocks if self.offload is not None else 0
+
+    def execute(self, plan: StepPlan) -> StepOutcome:
+        plan, failed = self._admit(plan)
+        if not plan.chunks:
+            return StepOutcome([], failed)
         batch = build_batch(plan, self.cache.spec.block_size, self.device)
-        logits = self.model.forward(batch, self.cache)
+        offload = self.offload.begin(plan, batch) if self.offload is not None else None
+        logits = self.model.forward(batch, self.cache, offload)
         sampled = [c for c in plan.chunks if c.sampling is not None]
         tokens = sample(logits, [c.sampling for c in sampled])
-        return [SampledToken(c.seq_id, t) for c, t in zip(sampled, tokens)]
+        return StepOutcome([SampledToken(c.seq_id, t) for c, t in zip(sampled, tokens)], failed)
+
+    def _admit(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:
+        if self.offload is not None:
+            c = self.model_config
+            return self.offload.admit(plan, c.num_kv_heads, c.head_dim, self.device)
+        refused = {c.seq_id: "this worker has no host KV pool to offload to" for c in plan.chunks if c.offloaded}
+        return StepPlan(plan.step_id, tuple(c for c in plan.chunks if not c.offloaded)), refused

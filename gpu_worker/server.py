@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from gpu_worker.model.loader import LoadedModel
+from gpu_worker.offload import HostTier
 from gpu_worker.runner import ModelRunner, WorkerConfig
 from proto.pulseinfer.v1 import worker_pb2
 from scheduler.wire import plan_from_proto, tokens_to_proto
@@ -39,9 +40,9 @@ def step_identity(worker_id: int, pid: int) -> bytes:
 
 
 class Worker:
-    def __init__(self, config: WorkerServiceConfig, loaded: LoadedModel):
+    def __init__(self, config: WorkerServiceConfig, loaded: LoadedModel, host: HostTier | None):
         self.config = config
-        self.runner = ModelRunner(loaded, config.worker)
+        self.runner = ModelRunner(loaded, config.worker, host)
         spec = self.runner.cache_spec
         model_config = loaded.config
         self.heartbeat = worker_pb2.Heartbeat(
@@ -52,6 +53,7 @@ class Worker:
             max_position=model_config.max_position,
             vocab_size=model_config.vocab_size,
             model=loaded.source.name,
+            offload_blocks=self.runner.offload_blocks,
         )
         if loaded.tokenizer.eos_id is not None:
             self.heartbeat.eos_id = loaded.tokenizer.eos_id
@@ -59,11 +61,16 @@ class Worker:
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         started = time.perf_counter()
         try:
-            tokens = self.runner.execute(plan_from_proto(plan))
+            outcome = self.runner.execute(plan_from_proto(plan))
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
             log.exception("step %d failed", plan.step_id)
             return worker_pb2.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
-        return worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens_to_proto(tokens), forward_s=time.perf_counter() - started)
+        return worker_pb2.StepResult(
+            step_id=plan.step_id,
+            tokens=tokens_to_proto(outcome.tokens),
+            forward_s=time.perf_counter() - started,
+            failed=[worker_pb2.SequenceError(seq_id=s, error=e) for s, e in outcome.failed.items()],
+        )
 
     def serve(self, context: zmq.Context, stop: threading.Event) -> None:
         socket = context.socket(zmq.DEALER)

@@ -76,10 +76,17 @@ def paged_prefill_attention(
     workspace: GatherWorkspace,
 ) -> torch.Tensor:
     _check(q, k_cache, v_cache)
-    n = q.shape[0]
-    if n > ctx_len or blocks.shape[0] * block_size < ctx_len:
-        raise ValueError(f"prefill attention: {n} queries, {ctx_len} context positions, {blocks.shape[0]} blocks")
+    if blocks.shape[0] * block_size < ctx_len:
+        raise ValueError(f"prefill attention: {ctx_len} context positions, {blocks.shape[0]} blocks")
     k, v = gather_blocks(k_cache, v_cache, blocks, block_size, workspace)
+    return prefill_attention(q, k, v, ctx_len)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """Causal attention of n queries at positions ctx_len-n .. ctx_len-1 over k, v [>= ctx_len, kv_heads, dim]."""
+    n = q.shape[0]
+    if n > ctx_len or k.shape[0] < ctx_len:
+        raise ValueError(f"prefill attention: {n} queries, {ctx_len} context positions, {k.shape[0]} keys")
     k, v = k[:ctx_len].transpose(0, 1).unsqueeze(0), v[:ctx_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, dim]
     query_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)
     causal = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]

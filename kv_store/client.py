@@ -14,11 +14,23 @@ class KVStoreUnavailable(RuntimeError):
     pass
 
 
+class HostPoolLost(RuntimeError):
+    """The kv_store does not know this worker: it restarted, and the pool this worker mapped is gone."""
+
+
+def pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 class KVStoreClient:
     def __init__(self, context: zmq.Context, address: str, timeout_s: float = 5.0):
         self.context = context
         self.address = address
         self.timeout_s = timeout_s
+        self.worker_id: int | None = None  # set by register; allocations are charged to it
         self._socket = self._connect()
 
     def _connect(self) -> zmq.Socket:
@@ -36,15 +48,23 @@ class KVStoreClient:
         response = pb.KVStoreResponse.FromString(self._socket.recv())
         if response.code == pb.KV_STORE_RESOURCE_EXHAUSTED:
             raise PoolExhausted(response.error)
+        if response.code == pb.KV_STORE_UNKNOWN_WORKER:
+            raise HostPoolLost(f"kv_store at {self.address} restarted: {response.error}")
         if response.code != pb.KV_STORE_OK:
             raise ValueError(f"kv_store: {response.error}")
         return response
 
     def register(self, worker_id: int) -> pb.PoolLayout:
-        return self.call(pb.KVStoreRequest(register=pb.RegisterWorker(worker_id=worker_id, pid=os.getpid()))).layout
+        message = pb.RegisterWorker(worker_id=worker_id, pid=os.getpid(), pid_namespace=pid_namespace())
+        layout = self.call(pb.KVStoreRequest(register=message)).layout
+        self.worker_id = worker_id
+        return layout
 
-    def allocate(self, owner: str, blocks: int) -> list[int]:
-        return list(self.call(pb.KVStoreRequest(allocate=pb.Allocate(owner=owner, blocks=blocks))).blocks)
+    def allocate(self, owner: str, count: int) -> list[int]:
+        if self.worker_id is None:
+            raise RuntimeError("register with the kv_store before allocating")
+        request = pb.Allocate(owner=owner, blocks=count, worker_id=self.worker_id)
+        return list(self.call(pb.KVStoreRequest(allocate=request)).blocks)
 
     def release(self, owner: str) -> int:
         return self.call(pb.KVStoreRequest(release=pb.Release(owner=owner))).freed

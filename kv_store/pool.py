@@ -15,6 +15,7 @@ from pathlib import Path
 from gpu_worker.model.config import ModelConfig
 
 SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "pulseinfer-kv-"  # + the owning kv_store's pid
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module lacks the name
 PAGE = mmap.PAGESIZE
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -54,6 +55,32 @@ def prefault(buffer: mmap.mmap) -> None:
             raise
         for offset in range(0, len(buffer), PAGE):  # an older kernel: touch one byte per page
             buffer[offset] = 0
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlinks the segments of kv_store processes that died without cleaning up (kill -9).
+    A segment named after this very pid is stale too: a container restarts with the same pid."""
+    removed = []
+    for path in SHM_DIR.glob(SEGMENT_PREFIX + "*"):
+        pid = path.name[len(SEGMENT_PREFIX) :]
+        if pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def segment_name() -> str:
+    return f"{SEGMENT_PREFIX}{os.getpid()}"
 
 
 class SharedPool:

@@ -6,19 +6,21 @@ KV bytes never pass through the socket: workers map the segment named in PoolLay
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import zmq
 from google.protobuf.message import DecodeError
 
-from kv_store.allocator import BlockAllocator, PoolExhausted
-from kv_store.pool import PoolGeometry, SharedPool
+from kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
+from kv_store.client import pid_namespace
+from kv_store.pool import PoolGeometry, SharedPool, pid_alive, remove_stale_segments, segment_name
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 log = logging.getLogger("kv_store")
 POLL_MS = 200  # how soon a shutdown signal is noticed
+REAP_INTERVAL_S = 1.0  # how often registered workers' pids are checked
 
 
 @dataclass(frozen=True)
@@ -31,34 +33,69 @@ class KVStoreConfig:
     prefault: bool = True  # back every page at start-up
 
 
+@dataclass
+class RegisteredWorker:
+    pid: int
+    watch_pid: bool  # same pid namespace as the store: a vanished pid means the worker died
+    owners: set[str] = field(default_factory=set)
+
+
 class KVStore:
     """The control logic, free of sockets: one request in, one response out."""
 
     def __init__(self, pool: SharedPool):
         self.pool = pool
         self.allocator = BlockAllocator(pool.geometry.num_blocks)
-        self.workers: dict[int, int] = {}  # worker id -> pid
+        self.workers: dict[int, RegisteredWorker] = {}
 
     def handle(self, request: pb.KVStoreRequest) -> pb.KVStoreResponse:
         kind = request.WhichOneof("kind")
         if kind == "register":
-            self.workers[request.register.worker_id] = request.register.pid
+            self._register(request.register)
             return pb.KVStoreResponse(layout=self.layout())
         if kind == "allocate":
             return self._allocate(request.allocate)
         if kind == "release":
-            return pb.KVStoreResponse(freed=self.allocator.release(request.release.owner))
+            return pb.KVStoreResponse(freed=self._release(request.release.owner))
         if kind in ("ping", "stats"):
             return pb.KVStoreResponse(stats=self.stats())
         return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error="empty request")
 
+    def _register(self, request: pb.RegisterWorker) -> None:
+        earlier = self.workers.get(request.worker_id)
+        if earlier is not None and earlier.pid != request.pid:
+            self._forget(request.worker_id, "restarted")
+        if earlier is None or earlier.pid != request.pid:
+            self.workers[request.worker_id] = RegisteredWorker(request.pid, request.pid_namespace == pid_namespace())
+
     def _allocate(self, request: pb.Allocate) -> pb.KVStoreResponse:
         if not request.owner:
             return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error="allocate needs an owner")
+        worker = self.workers.get(request.worker_id)
+        if worker is None:
+            return pb.KVStoreResponse(code=pb.KV_STORE_UNKNOWN_WORKER, error=f"worker {request.worker_id} is not registered")
         try:
-            return pb.KVStoreResponse(blocks=self.allocator.allocate(request.owner, request.blocks))
+            blocks = self.allocator.allocate(request.owner, request.blocks)
         except PoolExhausted as e:
             return pb.KVStoreResponse(code=pb.KV_STORE_RESOURCE_EXHAUSTED, error=str(e))
+        worker.owners.add(request.owner)
+        return pb.KVStoreResponse(blocks=blocks)
+
+    def _release(self, owner: str) -> int:
+        for worker in self.workers.values():
+            worker.owners.discard(owner)
+        return self.allocator.release(owner)
+
+    def _forget(self, worker_id: int, why: str) -> None:
+        """Frees every block a dead (or restarted) worker's requests held."""
+        worker = self.workers.pop(worker_id)
+        freed = sum(self.allocator.release(owner) for owner in worker.owners)
+        log.warning("worker %d (pid %d) %s: freed %d host blocks of %d requests", worker_id, worker.pid, why, freed, len(worker.owners))
+
+    def reap_dead_workers(self) -> None:
+        for worker_id, worker in list(self.workers.items()):
+            if worker.watch_pid and not pid_alive(worker.pid):
+                self._forget(worker_id, "exited")
 
     def layout(self) -> pb.PoolLayout:
         g = self.pool.geometry
@@ -66,11 +103,20 @@ class KVStore:
 
     def stats(self) -> pb.KVStoreStats:
         a = self.allocator
-        return pb.KVStoreStats(blocks_total=a.num_blocks, blocks_free=a.num_free, owners=a.num_owners, workers=len(self.workers))
+        try:
+            a.check()
+            integrity = ""
+        except AllocatorCorrupt as e:
+            integrity = str(e)
+        return pb.KVStoreStats(
+            blocks_total=a.num_blocks, blocks_free=a.num_free, owners=a.num_owners, workers=len(self.workers), integrity_error=integrity
+        )
 
 
 def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) -> None:
-    pool = SharedPool(f"pulseinfer-kv-{os.getpid()}", geometry, populate=config.prefault)
+    for name in remove_stale_segments():
+        log.warning("removed %s, left behind by a kv_store that was killed", name)
+    pool = SharedPool(segment_name(), geometry, populate=config.prefault)
     context = zmq.Context()
     socket = context.socket(zmq.REP)
     socket.setsockopt(zmq.LINGER, 0)
@@ -80,7 +126,11 @@ def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) 
         log.info(
             "host KV pool %s: %d blocks, %.2f GiB; control on %s", pool.name, geometry.num_blocks, geometry.total_bytes / 2**30, config.bind
         )
+        reaped_at = time.monotonic()
         while not stop.is_set():
+            if time.monotonic() - reaped_at > REAP_INTERVAL_S:
+                store.reap_dead_workers()
+                reaped_at = time.monotonic()
             if not socket.poll(POLL_MS):
                 continue
             raw = socket.recv()

@@ -21,7 +21,20 @@ class PoolMismatch(ValueError):
 
 
 class PoolView:
-    def __init__(self, layout: kv_store_pb2.PoolLayout, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
+    def __init__(
+        self, buffer: mmap.mmap, num_blocks: int, num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+    ):
+        flat = torch.frombuffer(buffer, dtype=dtype)
+        self._map = buffer
+        self.num_layers = num_layers
+        self.blocks = flat.view(num_blocks, num_layers, 2, kv_heads, block_size, head_dim)
+        # one row per (block, layer) unit: gathers and scatters on a contiguous 2-d tensor take torch's fast row-copy path
+        self._units = flat.view(num_blocks * num_layers, -1)
+        self._unit_shape = (2, kv_heads, block_size, head_dim)
+
+    @classmethod
+    def attach(cls, layout: kv_store_pb2.PoolLayout, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
+        """Maps the kv_store's segment named in `layout` (pre-faulted: no minor faults on the first recalls)."""
         element = torch.empty((), dtype=dtype).element_size()
         unit = 2 * kv_heads * block_size * head_dim * element
         if unit != layout.unit_bytes:
@@ -32,16 +45,18 @@ class PoolView:
             )
         fd = os.open(SHM_DIR / layout.shm_name, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, layout.num_blocks * layout.num_layers * unit)
-            prefault(self._map)  # this process's page tables too: no minor faults on the first recalls
+            buffer = mmap.mmap(fd, layout.num_blocks * layout.num_layers * unit)
+            prefault(buffer)
         finally:
             os.close(fd)
-        flat = torch.frombuffer(self._map, dtype=dtype)
-        self.num_layers = layout.num_layers
-        self.blocks = flat.view(layout.num_blocks, layout.num_layers, 2, kv_heads, block_size, head_dim)
-        # one row per (block, layer) unit: gathers and scatters on a contiguous 2-d tensor take torch's fast row-copy path
-        self._units = flat.view(layout.num_blocks * layout.num_layers, -1)
-        self._unit_shape = (2, kv_heads, block_size, head_dim)
+        return cls(buffer, layout.num_blocks, layout.num_layers, kv_heads, block_size, head_dim, dtype)
+
+    @classmethod
+    def private(cls, num_blocks: int, num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
+        """A pool of this process alone (the in-process engine): anonymous memory, zero and faulted in lazily."""
+        element = torch.empty((), dtype=dtype).element_size()
+        buffer = mmap.mmap(-1, num_blocks * num_layers * 2 * kv_heads * block_size * head_dim * element)
+        return cls(buffer, num_blocks, num_layers, kv_heads, block_size, head_dim, dtype)
 
     def write(self, blocks: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes back full blocks of one layer in one scatter.

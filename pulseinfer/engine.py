@@ -11,9 +11,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from gpu_worker.model.loader import LoadedModel, load_model
+from gpu_worker.offload import HostTier
 from gpu_worker.runner import ModelRunner, WorkerConfig
 from gpu_worker.tokenizer import TextStream
 from kv_store.allocator import BlockAllocator
+from kv_store.view import PoolView
 from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
 from scheduler.request import FinishReason, SamplingParams, Sequence
 
@@ -23,6 +25,7 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; default: SmolLM2-135M-Instruct
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    host_kv_tokens: int = 131072  # the in-process host pool (private memory, faulted in as used)
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Completion:
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: str
+    error: str = ""
 
     @property
     def completion_tokens(self) -> int:
@@ -44,6 +48,7 @@ class Completion:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
+            **({"error": self.error} if self.error else {}),
         }
 
 
@@ -53,14 +58,22 @@ class Engine:
         self.config = config
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
-        self.runner = ModelRunner(self.loaded, config.worker)
+        self.host = self._host_tier() if config.batcher.offload != "never" else None
+        self.runner = ModelRunner(self.loaded, config.worker, self.host)
         spec = self.runner.cache_spec
         self.allocator = BlockAllocator(spec.num_blocks)
-        limits = ModelLimits(self.loaded.config.max_position, self.tokenizer.eos_id, spec.block_size)
+        limits = ModelLimits(self.loaded.config.max_position, self.tokenizer.eos_id, spec.block_size, self.runner.offload_blocks)
         self.batcher = Batcher(config.batcher, limits, self.allocator)
         self._streams: dict[str, TextStream] = {}
         self._seqs: dict[str, Sequence] = {}
+        self._errors: dict[str, str] = {}
         self.load_seconds = time.perf_counter() - started
+
+    def _host_tier(self) -> HostTier:
+        c, block = self.loaded.config, self.config.worker.block_size
+        blocks = self.config.host_kv_tokens // block
+        view = PoolView.private(blocks, c.num_layers, c.num_kv_heads, block, c.head_dim, self.config.worker.torch_dtype())
+        return HostTier(view, BlockAllocator(blocks))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
         seq_id = seq_id or uuid.uuid4().hex
@@ -75,7 +88,12 @@ class Engine:
         plan = self.batcher.schedule()
         if plan is None:
             return []
-        finished = self.batcher.commit(plan, self.runner.execute(plan))
+        outcome = self.runner.execute(plan)
+        finished = self.batcher.commit(plan, outcome.tokens)
+        for seq_id, error in outcome.failed.items():
+            if (seq := self.batcher.abort(seq_id, FinishReason.ERROR)) is not None:
+                self._errors[seq_id] = error
+                finished.append(seq)
         for chunk in plan.chunks:
             seq = self._seqs.get(chunk.seq_id)
             if chunk.sampling is not None and seq is not None and seq not in finished:
@@ -89,7 +107,7 @@ class Engine:
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.submit(p, sp) for p, sp in zip(prompts, all_params)]
         done: dict[str, Completion] = {}
-        while len(done) < len(ids):
+        while len(done) < len(ids) or self.batcher.released:  # the last step frees what finished offloaded
             for completion in self.step():
                 done[completion.seq_id] = completion
         return [done[i] for i in ids]
@@ -100,4 +118,5 @@ class Engine:
         if not stream.stopped:
             stream.update(seq.output_ids)
             stream.flush()
-        return Completion(seq.seq_id, stream.emitted, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason.value)
+        error = self._errors.pop(seq.seq_id, "")
+        return Completion(seq.seq_id, stream.emitted, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason.value, error)

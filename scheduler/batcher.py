@@ -14,6 +14,8 @@ from kv_store.allocator import BlockAllocator
 from scheduler.plan import Chunk, SampledToken, StepPlan
 from scheduler.request import FinishReason, SeqStatus, Sequence
 
+OFFLOAD_POLICIES = ("never", "auto", "always")
+
 
 class QueueFull(RuntimeError):
     pass
@@ -28,6 +30,13 @@ class BatcherConfig:
     max_batch_size: int = 64  # sequences decoded together
     prefill_chunk: int = 512  # prefill tokens per step
     max_waiting: int = 1024  # bounded queue: beyond this, new requests are refused
+    # never | auto (when the device pool cannot hold a request) | always (every request, where the
+    # worker has a host pool and its device pool holds an offloaded request's footprint)
+    offload: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_POLICIES:
+            raise ValueError(f"--offload must be one of {', '.join(OFFLOAD_POLICIES)}, got {self.offload!r}")
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class ModelLimits:
     max_position: int
     eos_id: int | None
     block_size: int
+    offload_blocks: int = 0  # device blocks an offloaded request holds; 0: the worker cannot offload
 
 
 class Batcher:
@@ -46,6 +56,7 @@ class Batcher:
         self.running: list[Sequence] = []
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        self.released: list[str] = []  # offloaded requests that ended, for the next plan
 
     # ------------------------------------------------------------ admission
 
@@ -55,8 +66,12 @@ class Batcher:
         if prompt_len >= self.limits.max_position:
             raise RequestTooLarge(f"prompt of {prompt_len} tokens leaves no room in the model's context of {self.limits.max_position}")
         capacity = self.allocator.num_blocks * self.limits.block_size
-        if prompt_len + 1 > capacity:
+        if prompt_len + 1 > capacity and not self._can_offload:
             raise RequestTooLarge(f"prompt of {prompt_len} tokens exceeds the device KV pool of {capacity} tokens")
+
+    @property
+    def _can_offload(self) -> bool:
+        return self.config.offload != "never" and 0 < self.limits.offload_blocks <= self.allocator.num_blocks
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(len(seq.prompt_ids))
@@ -75,7 +90,7 @@ class Batcher:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.released)
 
     # ------------------------------------------------------------ one step
 
@@ -99,7 +114,10 @@ class Batcher:
             self.running.append(seq)
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
-        return StepPlan(next(self._step_ids), tuple(chunks)) if chunks else None
+        if not chunks and not self.released:
+            return None
+        released, self.released = tuple(self.released), []
+        return StepPlan(next(self._step_ids), tuple(chunks), released)
 
     def commit(self, plan: StepPlan, sampled: list[SampledToken]) -> list[Sequence]:
         """Applies a step's results; returns the sequences that finished in it."""
@@ -133,6 +151,8 @@ class Batcher:
         return chunks
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk | None:
+        if seq.num_cached == 0 and not self.allocator.blocks_of(seq.seq_id):
+            seq.offloaded = self._should_offload(seq)
         end = min(seq.length, seq.num_cached + budget)
         if not self._grow(seq, end):
             return None
@@ -145,10 +165,24 @@ class Batcher:
             start_pos=start,
             block_table=tuple(self.allocator.blocks_of(seq.seq_id)),
             sampling=seq.sampling_spec() if end == seq.length else None,
+            offloaded=seq.offloaded,
         )
+
+    def _should_offload(self, seq: Sequence) -> bool:
+        """Resident while the device pool holds the whole request; offloaded when it cannot and the
+        request is longer than an offloaded request's fixed footprint."""
+        if not self._can_offload:
+            return False
+        if self.config.offload == "always":
+            return True
+        final = min(len(seq.prompt_ids) + seq.params.max_tokens, self.limits.max_position)
+        whole = -(-final // self.limits.block_size)
+        return whole > self.allocator.num_free and whole > self.limits.offload_blocks
 
     def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
         have = len(self.allocator.blocks_of(seq.seq_id))
+        if seq.offloaded:  # a fixed footprint, whatever the length
+            return self.limits.offload_blocks - have
         return max(0, -(-tokens // self.limits.block_size) - have)
 
     def _grow(self, seq: Sequence, tokens: int) -> bool:
@@ -167,9 +201,14 @@ class Batcher:
                 return False
         return True
 
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.release(seq.seq_id)
+        if seq.offloaded:
+            self.released.append(seq.seq_id)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.release(seq.seq_id)
+        self._release(seq)
         seq.num_cached = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -185,6 +224,6 @@ class Batcher:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.allocator.release(seq.seq_id)
+        self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

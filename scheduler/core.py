@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kv_store.allocator import BlockAllocator
+from kv_store.allocator import AllocatorCorrupt, BlockAllocator
 from proto.pulseinfer.v1 import generate_pb2, worker_pb2
 from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
 from scheduler.plan import StepPlan
@@ -74,7 +74,7 @@ class WorkerHandle:
         self.identity = f"w{beat.worker_id}-{beat.pid}".encode()
         self.allocator = BlockAllocator(beat.device_blocks_total)
         eos = beat.eos_id if beat.HasField("eos_id") else None
-        self.limits = ModelLimits(beat.max_position, eos, beat.block_size)
+        self.limits = ModelLimits(beat.max_position, eos, beat.block_size, beat.offload_blocks)
         self.vocab_size = beat.vocab_size
         self.batcher = Batcher(batcher_config, self.limits, self.allocator)
         self.last_seen = now
@@ -204,6 +204,10 @@ class SchedulerCore:
             return
         sampled = tokens_from_proto(result.tokens)
         finished = {seq.seq_id for seq in worker.batcher.commit(plan, sampled)}
+        for failure in result.failed:
+            if (state := self.requests.get(failure.seq_id)) is not None:
+                worker.batcher.abort(failure.seq_id, FinishReason.ERROR)
+                self._finish(state, FinishReason.ERROR, f"worker {worker.worker_id}: {failure.error}")
         now = self.clock()
         for token in sampled:
             state = self.requests.get(token.seq_id)
@@ -254,4 +258,14 @@ class SchedulerCore:
             last_decode_batch=c.last_decode_batch,
             step_overhead_s=c.step_overhead_s,
             preemptions=w.batcher.num_preemptions,
+            offloaded=sum(1 for s in w.batcher.running if s.offloaded),
+            integrity_error=_integrity_error(w.allocator),
         )
+
+
+def _integrity_error(allocator: BlockAllocator) -> str:
+    try:
+        allocator.check()
+    except AllocatorCorrupt as e:
+        return str(e)
+    return ""

@@ -25,6 +25,7 @@ class Chunk:
     start_pos: int
     block_table: tuple[int, ...]
     sampling: SamplingSpec | None  # None: a prefill chunk that does not reach the end of the prompt
+    offloaded: bool = False  # block_table is the fixed device footprint; the worker keeps the rest on host
 
     @property
     def end_pos(self) -> int:
@@ -35,9 +36,16 @@ class Chunk:
 class StepPlan:
     step_id: int
     chunks: tuple[Chunk, ...]
+    released: tuple[str, ...] = ()  # offloaded requests that ended: the worker frees their state first
 
 
 @dataclass(frozen=True)
 class SampledToken:
     seq_id: str
     token_id: int
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    tokens: list[SampledToken]
+    failed: dict[str, str]  # seq_id -> why the worker dropped it from the step (the others ran)

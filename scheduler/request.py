@@ -70,6 +70,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    offloaded: bool = False  # most of its KV in the host pool; decided each time it is (re)admitted
 
     @classmethod
     def admit(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> Sequence:

@@ -87,7 +87,10 @@ class KVStoreMonitor:
         if self.last is None:
             return generate_pb2.SchedulerStats(kv_store_alive=False)
         return generate_pb2.SchedulerStats(
-            kv_store_alive=True, host_blocks_total=self.last.blocks_total, host_blocks_free=self.last.blocks_free
+            kv_store_alive=True,
+            host_blocks_total=self.last.blocks_total,
+            host_blocks_free=self.last.blocks_free,
+            host_integrity_error=self.last.integrity_error,
         )
 
     async def run(self) -> None:

@@ -8,11 +8,13 @@ from scheduler.request import SamplingParams
 
 
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
-    return worker_pb2.StepPlan(step_id=plan.step_id, chunks=[_chunk_to_proto(c) for c in plan.chunks])
+    return worker_pb2.StepPlan(step_id=plan.step_id, chunks=[_chunk_to_proto(c) for c in plan.chunks], released=plan.released)
 
 
 def _chunk_to_proto(chunk: Chunk) -> worker_pb2.Chunk:
-    message = worker_pb2.Chunk(seq_id=chunk.seq_id, token_ids=chunk.token_ids, start_pos=chunk.start_pos, block_table=chunk.block_table)
+    message = worker_pb2.Chunk(
+        seq_id=chunk.seq_id, token_ids=chunk.token_ids, start_pos=chunk.start_pos, block_table=chunk.block_table, offloaded=chunk.offloaded
+    )
     if chunk.sampling is not None:
         s = chunk.sampling
         message.sampling.CopyFrom(
@@ -22,7 +24,7 @@ def _chunk_to_proto(chunk: Chunk) -> worker_pb2.Chunk:
 
 
 def plan_from_proto(message: worker_pb2.StepPlan) -> StepPlan:
-    return StepPlan(message.step_id, tuple(_chunk_from_proto(c) for c in message.chunks))
+    return StepPlan(message.step_id, tuple(_chunk_from_proto(c) for c in message.chunks), tuple(message.released))
 
 
 def _chunk_from_proto(c: worker_pb2.Chunk) -> Chunk:
@@ -30,7 +32,7 @@ def _chunk_from_proto(c: worker_pb2.Chunk) -> Chunk:
     if c.HasField("sampling"):
         s = c.sampling
         sampling = SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step)
-    return Chunk(c.seq_id, tuple(c.token_ids), c.start_pos, tuple(c.block_table), sampling)
+    return Chunk(c.seq_id, tuple(c.token_ids), c.start_pos, tuple(c.block_table), sampling, c.offloaded)
 
 
 def tokens_to_proto(tokens: list[SampledToken]) -> list[worker_pb2.SampledToken]:

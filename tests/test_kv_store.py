@@ -29,7 +29,7 @@ MAPPER = textwrap.dedent(
     from kv_store.view import PoolView
     action, address, owner, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     client = KVStoreClient(zmq.Context.instance(), address)
-    view = PoolView(client.register(worker_id=1 if action == "write" else 2), 3, 16, 64, torch.float32)
+    view = PoolView.attach(client.register(worker_id=1 if action == "write" else 2), 3, 16, 64, torch.float32)
     generator = torch.Generator().manual_seed(1234)
     if action == "write":
         blocks = client.allocate(owner, count)
@@ -83,7 +83,7 @@ def test_blocks_written_by_one_process_read_back_bit_exact_by_another(kv_store):
 def test_exhaustion_is_a_clear_error_and_harms_nothing_stored(kv_store):
     client = KVStoreClient(zmq.Context.instance(), kv_store)
     layout = client.register(worker_id=3)
-    view = PoolView(layout, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
+    view = PoolView.attach(layout, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
     try:
         mine = client.allocate("request-b", 4)
         for block in mine:
@@ -104,7 +104,7 @@ def test_a_worker_with_another_geometry_is_refused(kv_store):
     client = KVStoreClient(zmq.Context.instance(), kv_store)
     try:
         with pytest.raises(PoolMismatch, match="--kv-dtype"):
-            PoolView(client.register(worker_id=4), KV_HEADS, BLOCK, HEAD_DIM, torch.bfloat16)
+            PoolView.attach(client.register(worker_id=4), KV_HEADS, BLOCK, HEAD_DIM, torch.bfloat16)
     finally:
         client.close()
 

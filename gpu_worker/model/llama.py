@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model.config import ModelConfig
-from kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention
+from gpu_worker.offload import OffloadStep
+from kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention, prefill_attention
 
 
 @dataclass(frozen=True)
@@ -75,37 +76,48 @@ class LlamaModel:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        """Runs every token of the batch; returns fp32 logits of the sampled positions [S, vocab]."""
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, offload: OffloadStep | None = None) -> torch.Tensor:
+        """Runs every token of the batch; returns fp32 logits of the sampled positions [S, vocab].
+        `offload` places, recalls and attends the offloaded requests' KV."""
         hidden = self.embed[batch.input_ids]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         for index, layer in enumerate(self.layers):
-            hidden = hidden + self._attention(index, layer, rms_norm(hidden, layer.input_norm, self.config.rms_eps), cos, sin, batch, cache)
+            x = rms_norm(hidden, layer.input_norm, self.config.rms_eps)
+            hidden = hidden + self._attention(index, layer, x, cos, sin, batch, cache, offload)
             hidden = hidden + self._mlp(layer, rms_norm(hidden, layer.post_norm, self.config.rms_eps))
         last = rms_norm(hidden[batch.sample_index], self.norm, self.config.rms_eps)
         return F.linear(last, self.lm_head).float()
 
     def _attention(
-        self, index: int, layer: LayerWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch, cache: PagedKVCache
+        self, index: int, layer: LayerWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch, cache: PagedKVCache, offload
     ) -> torch.Tensor:
         c = self.config
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        cache.write(index, batch.write_slots, k, v.reshape(-1, c.num_kv_heads, c.head_dim))
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        cache.write(index, batch.write_slots, k[batch.resident_index], v[batch.resident_index])
+        if offload is not None:
+            offload.store(index, cache, k, v)
         k_cache, v_cache = cache.layer(index)
         block = cache.spec.block_size
         out = torch.empty_like(q)
         if batch.decode_index.numel():
-            out[batch.decode_index] = paged_decode_attention(
-                q[batch.decode_index], k_cache, v_cache, batch.decode_block_tables, batch.decode_ctx_lens, block, self.workspace
-            )
+            q_decode = q[batch.decode_index]
+            tables, lens = batch.decode_block_tables, batch.decode_ctx_lens
+            if offload is not None:
+                tables, lens = offload.decode_tables(index, cache, q_decode, batch)
+            out[batch.decode_index] = paged_decode_attention(q_decode, k_cache, v_cache, tables, lens, block, self.workspace)
         for span in batch.prefills:
             q_span = q[span.start : span.end]
-            out[span.start : span.end] = paged_prefill_attention(
-                q_span, k_cache, v_cache, span.ctx_blocks, span.ctx_len, block, self.workspace
-            )
+            if span.ctx_blocks is None:
+                k_ctx, v_ctx = offload.prefill_context(index, cache, span, self.workspace)
+                out[span.start : span.end] = prefill_attention(q_span, k_ctx, v_ctx, span.ctx_len)
+            else:
+                out[span.start : span.end] = paged_prefill_attention(
+                    q_span, k_cache, v_cache, span.ctx_blocks, span.ctx_len, block, self.workspace
+                )
         return F.linear(out.view(-1, c.q_size), layer.o_proj)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

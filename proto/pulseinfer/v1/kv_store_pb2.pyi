@@ -12,25 +12,31 @@ class KVStoreCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_STORE_OK: _ClassVar[KVStoreCode]
     KV_STORE_RESOURCE_EXHAUSTED: _ClassVar[KVStoreCode]
     KV_STORE_INVALID_ARGUMENT: _ClassVar[KVStoreCode]
+    KV_STORE_UNKNOWN_WORKER: _ClassVar[KVStoreCode]
 KV_STORE_OK: KVStoreCode
 KV_STORE_RESOURCE_EXHAUSTED: KVStoreCode
 KV_STORE_INVALID_ARGUMENT: KVStoreCode
+KV_STORE_UNKNOWN_WORKER: KVStoreCode
 
 class RegisterWorker(_message.Message):
-    __slots__ = ("worker_id", "pid")
+    __slots__ = ("worker_id", "pid", "pid_namespace")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     pid: int
-    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    pid_namespace: str
+    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class Allocate(_message.Message):
-    __slots__ = ("owner", "blocks")
+    __slots__ = ("owner", "blocks", "worker_id")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     owner: str
     blocks: int
-    def __init__(self, owner: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+    worker_id: int
+    def __init__(self, owner: _Optional[str] = ..., blocks: _Optional[int] = ..., worker_id: _Optional[int] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("owner",)
@@ -73,16 +79,18 @@ class PoolLayout(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., unit_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class KVStoreStats(_message.Message):
-    __slots__ = ("blocks_total", "blocks_free", "owners", "workers")
+    __slots__ = ("blocks_total", "blocks_free", "owners", "workers", "integrity_error")
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     blocks_total: int
     blocks_free: int
     owners: int
     workers: int
-    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
+    integrity_error: str
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ..., integrity_error: _Optional[str] = ...) -> None: ...
 
 class KVStoreResponse(_message.Message):
     __slots__ = ("code", "error", "blocks", "freed", "layout", "stats")

@@ -1,0 +1,394 @@
+"""Offloaded requests on the worker.
+
+An offloaded request holds a fixed device footprint: sink blocks (the first tokens), a ring of
+recent-window blocks (the partly filled block included) and a hot buffer of recalled blocks.
+Every other full block lives in the host pool. Each block is written back once, when it fills
+(earlier than it leaves the window, so the write has a window's worth of steps to complete);
+its key summary (element-wise min and max per kv head) stays on device for selection.
+
+Decode attends sink + selected host blocks + window, in logical order: with a budget that
+covers every host block the attended K/V are the dense ones, bit for bit, in the dense order.
+Prefill of an offloaded request attends its whole context (read back from the host pool).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from gpu_worker.batch import ForwardBatch, PrefillSpan, pad_tables
+from gpu_worker.kv_cache import PagedKVCache
+from kernels.attention import GatherWorkspace
+from kv_store.allocator import PoolExhausted
+from kv_store.client import HostPoolLost, KVStoreUnavailable
+from kv_store.view import PoolView
+from scheduler.plan import StepPlan
+
+
+class HostAllocator(Protocol):
+    """kv_store's BlockAllocator in-process, or KVStoreClient across processes."""
+
+    def allocate(self, owner: str, count: int) -> list[int]: ...
+
+    def release(self, owner: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """The host pool as a worker uses it: a mapping for the data, an allocator for the blocks."""
+
+    view: PoolView
+    allocator: HostAllocator
+    reattach: Callable[[], PoolView] | None = None  # maps a restarted kv_store's new pool; None in-process
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    sink: int = 64  # tokens at the start of the context, always attended, kept on device
+    recent: int = 256  # recent window kept on device (the partly filled block included)
+    budget: int = 1024  # host-tier tokens selected per (request, layer); the hot buffer holds this many
+
+    def geometry(self, block_size: int) -> OffloadGeometry:
+        for name, low in (("sink", 0), ("recent", block_size), ("budget", block_size)):
+            value = getattr(self, name)
+            if value < low or value % block_size:
+                raise ValueError(f"--{name} must be a multiple of the block size ({block_size}) and at least {low}, got {value}")
+        return OffloadGeometry(block_size, self.sink // block_size, self.recent // block_size, self.budget // block_size)
+
+
+@dataclass(frozen=True)
+class OffloadGeometry:
+    block_size: int
+    sink_blocks: int
+    ring_blocks: int
+    hot_blocks: int
+
+    @property
+    def device_blocks(self) -> int:
+        """The device footprint of one offloaded request, whatever its length."""
+        return self.sink_blocks + self.ring_blocks + self.hot_blocks
+
+    def window_start(self, length: int) -> int:
+        """First logical block of the recent window of a context of `length` tokens."""
+        last = (length - 1) // self.block_size
+        return max(self.sink_blocks, last - self.ring_blocks + 1)
+
+
+class BlockSummaries:
+    """Per layer and host block: element-wise min and max of its keys, per kv head."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device):
+        self.kmin = torch.empty((num_layers, 0, kv_heads, head_dim), device=device)
+        self.kmax = torch.empty_like(self.kmin)
+
+    def reserve(self, count: int) -> None:
+        if count <= self.kmin.shape[1]:
+            return
+        layers, have, heads, dim = self.kmin.shape
+        grown = (layers, max(count, 2 * have, 16), heads, dim)
+        for name in ("kmin", "kmax"):
+            old = getattr(self, name)
+            new = torch.empty(grown, device=old.device)
+            new[:, :have] = old
+            setattr(self, name, new)
+
+    def write(self, layer: int, first: int, k_blocks: torch.Tensor) -> None:
+        """k_blocks: [n, block_size, kv_heads, dim] for summary slots first .. first+n-1."""
+        n = k_blocks.shape[0]
+        self.kmin[layer, first : first + n] = k_blocks.amin(dim=1).float()
+        self.kmax[layer, first : first + n] = k_blocks.amax(dim=1).float()
+
+
+def solohead_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, budget: int) -> list[int]:
+    """One top-k block set for all heads of a layer (SoloHead), by the Quest upper bound of q.k
+    summed over every query head (GQA groups included). q: [q_heads, dim]; kmin, kmax: [n, kv_heads, dim].
+    Returns the chosen block indices, ascending."""
+    n = kmin.shape[0]
+    if n <= budget:
+        return list(range(n))
+    heads = kmin.shape[1]
+    grouped = q.float().view(heads, q.shape[0] // heads, 1, q.shape[1])  # [kv_heads, group, 1, dim]
+    bound = torch.maximum(grouped * kmax.transpose(0, 1)[:, None], grouped * kmin.transpose(0, 1)[:, None])  # [kv_heads, group, n, dim]
+    scores = bound.sum(dim=(0, 1, 3))
+    return sorted(scores.topk(budget).indices.tolist())
+
+
+class OffloadedSeq:
+    """One offloaded request's KV on this worker: where each logical block lives."""
+
+    def __init__(self, seq_id: str, footprint: tuple[int, ...], geometry: OffloadGeometry, summaries: BlockSummaries, num_layers: int):
+        g = geometry
+        self.seq_id = seq_id
+        self.footprint = footprint
+        self.geometry = geometry
+        self.sink = footprint[: g.sink_blocks]
+        self.ring = footprint[g.sink_blocks : g.sink_blocks + g.ring_blocks]
+        self.hot_pool = footprint[g.sink_blocks + g.ring_blocks :]
+        self.length = 0  # tokens whose KV is stored
+        self.host_blocks: list[int] = []  # host block of logical block sink_blocks + i
+        self.summaries = summaries
+        self.hot: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(num_layers)]  # logical -> device block, LRU first
+
+    def device_block(self, logical: int, length: int) -> int:
+        """The device block of a sink or window block of a context of `length` tokens."""
+        if logical < self.geometry.sink_blocks:
+            return self.sink[logical]
+        if logical >= self.geometry.window_start(length):
+            return self.ring[logical % self.geometry.ring_blocks]
+        raise KeyError(f"logical block {logical} of {self.seq_id} is in the host tier")
+
+    def recall_plan(self, layer: int, selected: list[int]) -> list[tuple[int, int]]:
+        """Updates the layer's hot buffer for a selection of host-tier blocks (logical ids);
+        returns the misses as (logical block, device block to fill). Least recently used
+        blocks outside the selection make room."""
+        hot = self.hot[layer]
+        chosen = set(selected)
+        misses = [b for b in selected if b not in hot]
+        used = set(hot.values())
+        free = [d for d in self.hot_pool if d not in used]
+        for logical in list(hot):
+            if len(free) >= len(misses):
+                break
+            if logical not in chosen:
+                free.append(hot.pop(logical))
+        for logical in selected:
+            if logical in hot:
+                hot.move_to_end(logical)
+        fills = list(zip(misses, free))
+        hot.update(fills)
+        return fills
+
+    def decode_row(self, layer: int, selected: list[int]) -> list[int]:
+        """Device blocks attended at this layer, in logical order: sink, selected, window."""
+        length, g = self.length, self.geometry
+        last = (length - 1) // g.block_size
+        window = range(g.window_start(length), last + 1) if last >= g.sink_blocks else range(0)
+        hot = self.hot[layer]
+        return (
+            [self.sink[j] for j in range(min(g.sink_blocks, last + 1))]
+            + [hot[j] for j in selected]
+            + [self.ring[j % g.ring_blocks] for j in window]
+        )
+
+
+class OffloadManager:
+    """The worker's offloaded requests: their states, host blocks and per-step plumbing."""
+
+    def __init__(self, geometry: OffloadGeometry, num_layers: int, host: HostTier):
+        self.geometry = geometry
+        self.num_layers = num_layers
+        self.view = host.view
+        self.allocator = host.allocator
+        self.reattach = host.reattach
+        self.seqs: dict[str, OffloadedSeq] = {}
+        self.recalled_blocks = 0
+        self.written_blocks = 0
+
+    def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
+        for seq_id in seq_ids:
+            if self.seqs.pop(seq_id, None) is None:
+                continue
+            try:
+                self.allocator.release(seq_id)
+            except (HostPoolLost, KVStoreUnavailable):
+                pass  # a store that restarted or died holds none of these blocks any more
+
+    def admit(self, plan: StepPlan, kv_heads: int, head_dim: int, device: torch.device) -> tuple[StepPlan, dict[str, str]]:
+        """Frees what the plan released, then readies each offloaded chunk's state and host
+        blocks. Chunks that cannot run are dropped from the plan and returned with the reason."""
+        self.release(plan.released)
+        failed: dict[str, str] = {}
+        kept = []
+        for chunk in plan.chunks:
+            if not chunk.offloaded:
+                kept.append(chunk)
+                continue
+            try:
+                self._ready(chunk.seq_id, chunk.block_table, chunk.start_pos, chunk.end_pos, kv_heads, head_dim, device)
+                kept.append(chunk)
+            except (PoolExhausted, KVStoreUnavailable, ValueError) as e:
+                failed[chunk.seq_id] = str(e)
+            except HostPoolLost as e:
+                failed.update({c.seq_id: str(e) for c in plan.chunks if c.offloaded})
+                return replace(plan, chunks=tuple(c for c in plan.chunks if not c.offloaded)), failed
+        return replace(plan, chunks=tuple(kept)), failed
+
+    def _ready(self, seq_id: str, footprint: tuple[int, ...], start: int, end: int, kv_heads: int, head_dim: int, device) -> None:
+        g = self.geometry
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            if start != 0:
+                raise ValueError(f"request {seq_id}: its offloaded KV is gone from this worker (kv_store restarted?)")
+            if len(footprint) != g.device_blocks:
+                raise ValueError(f"request {seq_id}: {len(footprint)} device blocks for an offloaded request, expected {g.device_blocks}")
+            summaries = BlockSummaries(self.num_layers, kv_heads, head_dim, device)
+            seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, summaries, self.num_layers)
+        if seq.length != start or seq.footprint != tuple(footprint):
+            raise ValueError(f"request {seq_id}: the plan (position {start}) disagrees with the worker's state ({seq.length} tokens)")
+        hosted = max(0, end // g.block_size - g.sink_blocks)
+        need = hosted - len(seq.host_blocks)
+        if need > 0:
+            seq.host_blocks += self._allocate(seq_id, need)
+            seq.summaries.reserve(hosted)
+
+    def _allocate(self, seq_id: str, count: int) -> list[int]:
+        try:
+            return self.allocator.allocate(seq_id, count)
+        except PoolExhausted as e:
+            raise PoolExhausted(f"request {seq_id}: host KV pool exhausted ({e})") from e
+        except HostPoolLost:
+            self._drop_all()
+            raise
+
+    def _drop_all(self) -> None:
+        """The host pool went away: map the new one, forget every offloaded request (their KV is lost)."""
+        self.seqs.clear()
+        if self.reattach is not None:
+            self.view.close()
+            self.view = self.reattach()
+
+    def begin(self, plan: StepPlan, batch: ForwardBatch) -> OffloadStep | None:
+        chunks = [c for c in plan.chunks if c.offloaded]
+        if not chunks:
+            return None
+        return OffloadStep(self, chunks, batch)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "offloaded": len(self.seqs),
+            "host_blocks": sum(len(s.host_blocks) for s in self.seqs.values()),
+            "recalled_blocks": self.recalled_blocks,
+            "written_blocks": self.written_blocks,
+        }
+
+
+class OffloadStep:
+    """The offloaded chunks of one step: writes, recalls and attention rows, layer by layer.
+    Index tensors that do not depend on the layer are built once here."""
+
+    def __init__(self, manager: OffloadManager, chunks, batch: ForwardBatch):
+        self.manager = manager
+        self.geometry = g = manager.geometry
+        self.seqs = [manager.seqs[c.seq_id] for c in chunks]
+        self.chunks = chunks
+        self.decode_rows = {s.seq_id: batch.decode_seq_ids.index(s.seq_id) for s in self.seqs if s.seq_id in batch.decode_seq_ids}
+        self.by_id = {s.seq_id: s for s in self.seqs}
+        B = g.block_size
+        prefix_buf, prefix_slots, chunk_buf, chunk_tokens, dev_slots, dev_buf = [], [], [], [], [], []
+        host_ids, host_buf, summary_targets = [], [], []
+        buf_blocks = 0
+        for seq, chunk in zip(self.seqs, chunks):
+            start, end = chunk.start_pos, chunk.end_pos
+            first, last = start // B, (end - 1) // B
+            base = buf_blocks * B  # buffer row of logical block `first`, position first * B
+            if start % B:  # the partly filled block: its earlier tokens come from the device
+                dev = seq.device_block(first, start)
+                prefix_buf.append(torch.arange(base, base + start % B))
+                prefix_slots.append(torch.arange(dev * B, dev * B + start % B))
+            flat = batch.chunk_starts[chunk.seq_id]
+            chunk_buf.append(torch.arange(base + start % B, base + start % B + (end - start)))
+            chunk_tokens.append(torch.arange(flat, flat + end - start))
+            for j in range(first, last + 1):
+                rows = min(B, end - j * B)
+                row0 = base + (j - first) * B
+                if j < g.sink_blocks or j >= g.window_start(end):
+                    dev = seq.device_block(j, end)
+                    dev_slots.append(torch.arange(dev * B, dev * B + rows))
+                    dev_buf.append(torch.arange(row0, row0 + rows))
+                if j >= g.sink_blocks and rows == B:
+                    host_ids.append(seq.host_blocks[j - g.sink_blocks])
+                    host_buf.append(row0 // B)
+                    summary_targets.append((seq, j - g.sink_blocks))
+            buf_blocks += last - first + 1
+        device = batch.input_ids.device
+
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+        self.buf_rows = buf_blocks * B
+        self.prefix_buf, self.prefix_slots = cat(prefix_buf), cat(prefix_slots)
+        self.chunk_buf, self.chunk_tokens = cat(chunk_buf), cat(chunk_tokens)
+        self.dev_slots, self.dev_buf = cat(dev_slots), cat(dev_buf)
+        self.host_ids = torch.tensor(host_ids, dtype=torch.long)
+        self.host_buf = torch.tensor(host_buf, dtype=torch.long, device=device)
+        self.summary_targets = summary_targets
+        for seq, chunk in zip(self.seqs, chunks):
+            seq.length = chunk.end_pos  # layer by layer, the writes below make it true before attention reads it
+        manager.written_blocks += len(host_ids)
+
+    # ------------------------------------------------------------ per layer
+
+    def store(self, layer: int, cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes the chunks' new K/V: sink and window blocks to the device, newly full blocks to the host pool."""
+        B = self.geometry.block_size
+        k_cache, v_cache = cache.layer(layer)
+        buffers = []
+        for new, cached in ((k, k_cache), (v, v_cache)):
+            buf = torch.empty((self.buf_rows, *cached.shape[1:]), dtype=cached.dtype, device=cached.device)
+            buf[self.prefix_buf] = cached[self.prefix_slots]
+            buf[self.chunk_buf] = new[self.chunk_tokens]
+            cached.index_copy_(0, self.dev_slots, buf[self.dev_buf])
+            buffers.append(buf.view(-1, B, *cached.shape[1:]))
+        if self.host_ids.numel():
+            k_blocks, v_blocks = buffers[0][self.host_buf], buffers[1][self.host_buf]
+            self.manager.view.write(self.host_ids, layer, k_blocks.cpu(), v_blocks.cpu())
+            for i, (seq, index) in enumerate(self.summary_targets):
+                seq.summaries.write(layer, index, k_blocks[i : i + 1])
+
+    def decode_tables(self, layer: int, cache: PagedKVCache, q: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's decode block tables for this layer, offloaded rows selected and recalled."""
+        rows, lens = list(batch.decode_rows), batch.decode_ctx_lens.clone()
+        recalls: list[tuple[int, int]] = []  # (host block, device block)
+        B = self.geometry.block_size
+        for seq_id, row in self.decode_rows.items():
+            seq = self.by_id[seq_id]
+            hosted = self.geometry.window_start(seq.length) - self.geometry.sink_blocks
+            summaries = seq.summaries
+            picked = solohead_select(q[row], summaries.kmin[layer, :hosted], summaries.kmax[layer, :hosted], self.geometry.hot_blocks)
+            logical = [self.geometry.sink_blocks + i for i in picked]
+            recalls += [(seq.host_blocks[j - self.geometry.sink_blocks], dev) for j, dev in seq.recall_plan(layer, logical)]
+            table = seq.decode_row(layer, logical)
+            rows[row] = torch.tensor(table, dtype=torch.long)
+            lens[row] = (len(table) - 1) * B + (seq.length - 1) % B + 1
+        if recalls:
+            self._recall(layer, cache, recalls)
+        return pad_tables(rows).to(q.device), lens
+
+    def _recall(self, layer: int, cache: PagedKVCache, recalls: list[tuple[int, int]]) -> None:
+        """One gather of every missed block of the layer from the host pool, one scatter into the hot buffers."""
+        B = self.geometry.block_size
+        host = torch.tensor([h for h, _ in recalls], dtype=torch.long)
+        dev = torch.tensor([d for _, d in recalls], dtype=torch.long)
+        units = self.manager.view.read(host, layer)  # [n, 2, kv_heads, B, dim]
+        k_cache, v_cache = cache.layer(layer)
+        slots = (dev[:, None] * B + torch.arange(B)).reshape(-1).to(k_cache.device)
+        for i, cached in enumerate((k_cache, v_cache)):
+            cached.index_copy_(0, slots, units[:, i].transpose(1, 2).reshape(-1, *cached.shape[1:]).to(cached.device))
+        self.manager.recalled_blocks += len(recalls)
+
+    def prefill_context(
+        self, layer: int, cache: PagedKVCache, span: PrefillSpan, workspace: GatherWorkspace
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of an offloaded request's whole context [0, span.ctx_len), in position order."""
+        seq, g = self.by_id[span.seq_id], self.geometry
+        B, length = g.block_size, span.ctx_len
+        blocks = (length - 1) // B + 1
+        k_cache, v_cache = cache.layer(layer)
+        row_size = B * k_cache.shape[1] * k_cache.shape[2]
+        k_out, v_out = workspace.buffers(blocks, row_size, k_cache)
+        hosted = range(g.sink_blocks, g.window_start(length))
+        on_device = [j for j in range(blocks) if j not in hosted]
+        positions = torch.tensor(on_device, dtype=torch.long, device=k_cache.device)
+        devs = torch.tensor([seq.device_block(j, length) for j in on_device], dtype=torch.long, device=k_cache.device)
+        for out, cached in ((k_out, k_cache), (v_out, v_cache)):
+            out[positions] = cached.view(-1, row_size)[devs]
+        if len(hosted):
+            units = self.manager.view.read(torch.tensor(seq.host_blocks[: len(hosted)], dtype=torch.long), layer)
+            for i, out in enumerate((k_out, v_out)):
+                out[hosted.start : hosted.stop] = units[:, i].transpose(1, 2).reshape(len(hosted), -1).to(out.device)
+        shape = (blocks * B, *k_cache.shape[1:])
+        return k_out.view(shape), v_out.view(shape)
