@@ -35,6 +35,7 @@ class Completion:
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: str
+    offloaded: bool = False  # its KV lived mostly in the host pool when it finished
     error: str = ""
 
     @property
@@ -48,6 +49,7 @@ class Completion:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
+            "offloaded": self.offloaded,
             **({"error": self.error} if self.error else {}),
         }
 
@@ -119,4 +121,6 @@ class Engine:
             stream.update(seq.output_ids)
             stream.flush()
         error = self._errors.pop(seq.seq_id, "")
-        return Completion(seq.seq_id, stream.emitted, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason.value, error)
+        return Completion(
+            seq.seq_id, stream.emitted, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason.value, seq.offloaded, error
+        )

@@ -1,0 +1,122 @@
+"""Offloaded requests in-process: the host tier, full-budget decode equal to dense, resident and
+offloaded requests in one batch, host pool exhaustion, and the selection and hot-buffer pieces."""
+
+from __future__ import annotations
+
+import pydoc_data.topics
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from gpu_worker.offload import BlockSummaries, OffloadConfig, OffloadedSeq, solohead_select
+from gpu_worker.runner import WorkerConfig
+from pulseinfer.engine import Engine, EngineConfig
+from scheduler.batcher import BatcherConfig
+from scheduler.request import SamplingParams
+
+GREEDY_32 = SamplingParams(max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def corpus(model) -> list[int]:
+    return model.tokenizer.encode(" ".join(pydoc_data.topics.topics.values())[:200_000])
+
+
+def _engine(model, policy: str, device_tokens: int, host_tokens: int = 131072, **offload) -> Engine:
+    worker = WorkerConfig(device_kv_tokens=device_tokens, offload=OffloadConfig(**offload))
+    return Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload=policy), host_kv_tokens=host_tokens), loaded=model)
+
+
+def _assert_all_freed(engine: Engine) -> None:
+    engine.allocator.check()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    host = engine.host.allocator
+    host.check()
+    assert host.num_free == host.num_blocks
+    assert engine.runner.offload.seqs == {}
+
+
+@pytest.mark.slow
+def test_full_budget_offload_equals_dense_at_2k_and_4k(model, corpus):
+    prompts = [corpus[: 2048 - 32], corpus[20000 : 20000 + 4096 - 32]]  # contexts end at 2k and 4k tokens
+    dense = _engine(model, "never", 16384).generate(prompts, GREEDY_32)
+    offloaded_engine = _engine(model, "always", 16384, sink=64, recent=256, budget=4096)
+    offloaded = offloaded_engine.generate(prompts, GREEDY_32)
+    assert [c.token_ids for c in offloaded] == [c.token_ids for c in dense]
+    assert all(c.offloaded for c in offloaded)
+    stats = offloaded_engine.runner.offload.stats()
+    stored = [len(p) + GREEDY_32.max_tokens - 1 for p in prompts]  # the last sampled token's KV is never computed
+    assert stats["written_blocks"] == sum(n // 16 - 64 // 16 for n in stored)  # every full block past the sink, once
+    assert stats["recalled_blocks"] > 0
+    _assert_all_freed(offloaded_engine)
+
+
+def test_long_requests_offload_and_short_ones_stay_resident_in_one_batch(model, corpus):
+    short = [corpus[100:150], corpus[300:420]]
+    long = corpus[5000:8000]  # 3000 tokens: more than the whole device pool
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    dense = _engine(model, "never", 8192).generate(short + [long], params)
+    engine = _engine(model, "auto", 2048, sink=64, recent=256, budget=512)
+    got = engine.generate(short + [long], params)
+    assert [c.offloaded for c in got] == [False, False, True]
+    assert [c.token_ids for c in got[:2]] == [c.token_ids for c in dense[:2]]
+    agree = sum(a == b for a, b in zip(got[2].token_ids, dense[2].token_ids)) / len(dense[2].token_ids)
+    assert agree >= 0.75, agree  # 512 of 2.7k host-tier tokens selected: sparse, not exact
+    _assert_all_freed(engine)
+
+
+def test_host_pool_exhaustion_fails_that_request_clearly_and_harms_no_other(model, corpus):
+    small = corpus[:400]
+    huge = corpus[10000:12000]  # needs ~120 host blocks; the pool has 64
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    (expected,) = _engine(model, "never", 8192).generate([small], params)
+    engine = _engine(model, "always", 8192, host_tokens=64 * 16, sink=16, recent=64, budget=512)
+    ok, failed = engine.generate([small, huge], params)
+    assert ok.token_ids == expected.token_ids and ok.error == ""
+    assert failed.finish_reason == "error" and "host KV pool exhausted" in failed.error
+    _assert_all_freed(engine)
+    (again,) = engine.generate([small], params)  # the engine keeps serving
+    assert again.token_ids == expected.token_ids
+
+
+def test_offload_config_is_checked():
+    with pytest.raises(ValueError, match="--recent must be a multiple"):
+        OffloadConfig(recent=100).geometry(16)
+    with pytest.raises(ValueError, match="--budget"):
+        OffloadConfig(budget=0).geometry(16)
+    g = OffloadConfig(sink=32, recent=64, budget=128).geometry(16)
+    assert (g.sink_blocks, g.ring_blocks, g.hot_blocks, g.device_blocks) == (2, 4, 8, 14)
+    assert g.window_start(32) == 2 and g.window_start(16 * 10 + 1) == 7
+
+
+def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
+    torch.manual_seed(0)
+    kv_heads, group, dim, blocks, block = 3, 3, 8, 12, 16
+    keys = torch.randn(blocks, block, kv_heads, dim)
+    summaries = BlockSummaries(1, kv_heads, dim, torch.device("cpu"))
+    summaries.reserve(blocks)
+    summaries.write(0, 0, keys)
+    q = torch.randn(kv_heads * group, dim)
+    picked = solohead_select(q, summaries.kmin[0, :blocks], summaries.kmax[0, :blocks], 4)
+    grouped = q.view(kv_heads, group, dim)
+    bound = [
+        sum(torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for h in range(kv_heads))
+        for b in range(blocks)
+    ]
+    assert picked == sorted(sorted(range(blocks), key=lambda b: -bound[b])[:4])
+    for b in range(blocks):  # an upper bound of every token's q.k summed over the heads
+        exact = torch.einsum("hgd,thd->t", grouped, keys[b]).max().item()
+        assert bound[b] >= exact - 1e-4
+    assert solohead_select(q, summaries.kmin[0, :3], summaries.kmax[0, :3], 4) == [0, 1, 2]
+
+
+def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():
+    g = OffloadConfig(sink=16, recent=16, budget=48).geometry(16)  # 3 hot blocks
+    seq = OffloadedSeq("s", (100, 101, 200, 201, 202), g, BlockSummaries(1, 1, 4, torch.device("cpu")), num_layers=1)
+    assert [logical for logical, _ in seq.recall_plan(0, [5, 6, 7])] == [5, 6, 7]
+    assert sorted(seq.hot[0].values()) == [200, 201, 202]
+    assert seq.recall_plan(0, [5, 6, 7]) == []  # all present: nothing moves
+    fills = seq.recall_plan(0, [6, 7, 9])
+    assert fills == [(9, 200)]  # 5 was least recently used and not selected: its block is reused
+    assert list(seq.hot[0]) == [6, 7, 9] and isinstance(seq.hot[0], OrderedDict)
