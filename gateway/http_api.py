@@ -73,6 +73,10 @@ class HttpApi:
                 problems.append("no worker is alive")
             if not stats.kv_store_alive:
                 problems.append("the kv_store is not answering")
+            corrupt = [stats.host_integrity_error] + [
+                f"worker {w.worker_id}: {w.integrity_error}" for w in stats.workers if w.integrity_error
+            ]
+            problems += [p for p in corrupt if p]
         if problems:
             return JSONResponse({"status": "unavailable", "problems": problems}, status_code=503)
         return JSONResponse({"status": "ok", "workers_alive": stats.workers_alive})

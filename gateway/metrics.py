@@ -91,6 +91,7 @@ class GatewayMetrics:
         self.step_overhead = Counter(p + "step_overhead_seconds_total", "Scheduler-worker round trip time not spent in the forward pass.")
         self.preemptions = Counter(p + "num_preemptions_total", "Sequences preempted for lack of device KV blocks.")
         self.offloaded = Gauge(p + "worker_requests_offloaded", "Running requests whose KV lives mostly in the host pool.")
+        self.offloaded_admissions = Counter(p + "offloaded_admissions_total", "Requests admitted as offloaded.")
         self.device_blocks_used = Gauge(p + "worker_device_kv_blocks_used", "Device KV blocks in use on the worker (its capped pool).")
         self.device_blocks_total = Gauge(p + "worker_device_kv_blocks_total", "Device KV blocks of the worker's capped pool.")
         self.host_blocks_used = Gauge(p + "host_kv_blocks_used", "kv_store host KV blocks in use.")
@@ -98,6 +99,7 @@ class GatewayMetrics:
         self.allocators_corrupt = Gauge(p + "kv_allocators_corrupt", "Block allocators failing their self-check (0: healthy).")
         self.per_worker = [
             self.offloaded,
+            self.offloaded_admissions,
             self.device_blocks_used,
             self.device_blocks_total,
             self.worker_running,
@@ -133,6 +135,7 @@ class GatewayMetrics:
             self.step_overhead.set(w.step_overhead_s, worker=label)
             self.preemptions.set(w.preemptions, worker=label)
             self.offloaded.set(w.offloaded, worker=label)
+            self.offloaded_admissions.set(w.offloaded_admissions, worker=label)
             self.device_blocks_used.set(w.device_blocks_total - w.device_blocks_free, worker=label)
             self.device_blocks_total.set(w.device_blocks_total, worker=label)
 

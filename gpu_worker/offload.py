@@ -208,21 +208,36 @@ class OffloadManager:
                 kept.append(chunk)
                 continue
             try:
-                self._ready(chunk.seq_id, chunk.block_table, chunk.start_pos, chunk.end_pos, kv_heads, head_dim, device)
+                self._ready_or_reattach(chunk, kv_heads, head_dim, device)
                 kept.append(chunk)
-            except (PoolExhausted, KVStoreUnavailable, ValueError) as e:
+            except (PoolExhausted, KVStoreUnavailable, HostPoolLost, ValueError) as e:
                 failed[chunk.seq_id] = str(e)
-            except HostPoolLost as e:
-                failed.update({c.seq_id: str(e) for c in plan.chunks if c.offloaded})
-                return replace(plan, chunks=tuple(c for c in plan.chunks if not c.offloaded)), failed
-        return replace(plan, chunks=tuple(kept)), failed
+        lost = [c for c in kept if c.offloaded and c.seq_id not in self.seqs]  # readied, then dropped by a pool loss
+        failed.update({c.seq_id: f"request {c.seq_id}: its offloaded KV was lost when the kv_store restarted" for c in lost})
+        return replace(plan, chunks=tuple(c for c in kept if c not in lost)), failed
+
+    def _ready_or_reattach(self, chunk, kv_heads: int, head_dim: int, device) -> None:
+        """A new request that finds the kv_store restarted maps the new pool and goes on; the
+        requests whose KV was in the old pool are dropped (and fail)."""
+        args = (chunk.seq_id, chunk.block_table, chunk.start_pos, chunk.end_pos, kv_heads, head_dim, device)
+        try:
+            self._ready(*args)
+        except HostPoolLost:
+            self.seqs.clear()
+            if self.reattach is None:
+                raise
+            view, self.view = self.view, self.reattach()
+            view.close()
+            if chunk.start_pos != 0:
+                raise
+            self._ready(*args)
 
     def _ready(self, seq_id: str, footprint: tuple[int, ...], start: int, end: int, kv_heads: int, head_dim: int, device) -> None:
         g = self.geometry
         seq = self.seqs.get(seq_id)
         if seq is None:
             if start != 0:
-                raise ValueError(f"request {seq_id}: its offloaded KV is gone from this worker (kv_store restarted?)")
+                raise ValueError(f"request {seq_id}: its offloaded KV is gone from this worker (the kv_store restarted)")
             if len(footprint) != g.device_blocks:
                 raise ValueError(f"request {seq_id}: {len(footprint)} device blocks for an offloaded request, expected {g.device_blocks}")
             summaries = BlockSummaries(self.num_layers, kv_heads, head_dim, device)
@@ -240,16 +255,6 @@ class OffloadManager:
             return self.allocator.allocate(seq_id, count)
         except PoolExhausted as e:
             raise PoolExhausted(f"request {seq_id}: host KV pool exhausted ({e})") from e
-        except HostPoolLost:
-            self._drop_all()
-            raise
-
-    def _drop_all(self) -> None:
-        """The host pool went away: map the new one, forget every offloaded request (their KV is lost)."""
-        self.seqs.clear()
-        if self.reattach is not None:
-            self.view.close()
-            self.view = self.reattach()
 
     def begin(self, plan: StepPlan, batch: ForwardBatch) -> OffloadStep | None:
         chunks = [c for c in plan.chunks if c.offloaded]

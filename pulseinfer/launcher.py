@@ -46,6 +46,7 @@ class ServeConfig:
     api_key: str | None = None  # default: $PULSEINFER_API_KEY
     host_kv_tokens: int = KVStoreConfig.host_kv_tokens
     worker_timeout_s: float = SchedulerConfig.worker_timeout_s
+    kv_store_timeout_s: float = WorkerServiceConfig.kv_store_timeout_s  # a worker's wait for a kv_store answer
     startup_timeout_s: float = 300.0
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
@@ -111,7 +112,16 @@ class Cluster:
             Child(
                 f"gpu_worker{i}",
                 "gpu_worker",
-                to_flags(WorkerServiceConfig(model=config.model, scheduler=workers, kv_store=kv, worker_id=i, worker=config.worker)),
+                to_flags(
+                    WorkerServiceConfig(
+                        model=config.model,
+                        scheduler=workers,
+                        kv_store=kv,
+                        worker_id=i,
+                        kv_store_timeout_s=config.kv_store_timeout_s,
+                        worker=config.worker,
+                    )
+                ),
             )
             for i in range(config.workers)
         ]

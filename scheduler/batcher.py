@@ -56,6 +56,7 @@ class Batcher:
         self.running: list[Sequence] = []
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        self.num_offloaded = 0  # admissions as offloaded
         self.released: list[str] = []  # offloaded requests that ended, for the next plan
 
     # ------------------------------------------------------------ admission
@@ -153,6 +154,7 @@ class Batcher:
     def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk | None:
         if seq.num_cached == 0 and not self.allocator.blocks_of(seq.seq_id):
             seq.offloaded = self._should_offload(seq)
+            self.num_offloaded += seq.offloaded
         end = min(seq.length, seq.num_cached + budget)
         if not self._grow(seq, end):
             return None

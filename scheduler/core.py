@@ -259,6 +259,7 @@ class SchedulerCore:
             step_overhead_s=c.step_overhead_s,
             preemptions=w.batcher.num_preemptions,
             offloaded=sum(1 for s in w.batcher.running if s.offloaded),
+            offloaded_admissions=w.batcher.num_offloaded,
             integrity_error=_integrity_error(w.allocator),
         )
 

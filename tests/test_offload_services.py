@@ -1,0 +1,108 @@
+"""Offloading in the real cluster (`pulseinfer serve` as OS processes): nothing leaks in either
+tier after many random requests, aborts and disconnects; a kv_store killed with -9 fails the
+requests that used it with a clear error, comes back, and serves new ones."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pydoc_data.topics
+import random
+import signal
+from pathlib import Path
+
+import openai
+import pytest
+
+from pulseinfer.serving_cluster import ServingCluster
+
+MODEL = "SmolLM2-135M-Instruct"
+TEXT = " ".join(pydoc_data.topics.topics.values())
+# a device pool of 2048 tokens; an offloaded request holds 1 sink + 4 window + 8 hot blocks of 16 tokens
+FLAGS = ("--workers", "1", "--device-kv-tokens", "2048", "--sink", "16", "--recent", "64", "--budget", "128")
+KV_STORE_PIDS: set[int] = set()  # every kv_store this module's cluster ran: none may leave its segment behind
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = ServingCluster(*FLAGS, "--host-kv-tokens", "32768", "--kv-store-timeout-s", "5")
+    KV_STORE_PIDS.add(cluster.children()["kv_store"])
+    yield cluster
+    assert cluster.stop() == 0
+    left = [pid for pid in KV_STORE_PIDS if Path(f"/dev/shm/pulseinfer-kv-{pid}").exists()]
+    assert left == [], left
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _one(client: openai.OpenAI, job: tuple[int, int, int, str]) -> str:
+    start, chars, max_tokens, how = job
+    prompt = TEXT[start : start + chars]
+    if how == "complete":
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert got.choices[0].finish_reason in ("stop", "length")
+        return how
+    if how == "disconnect":  # a client that gives up mid-request
+        try:
+            client.with_options(timeout=0.3).completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        except openai.APITimeoutError:
+            pass
+        return how
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    next(iter(stream), None)  # abort after the first event
+    stream.close()
+    return how
+
+
+def test_random_requests_aborts_and_disconnects_free_every_block(cluster, client):
+    rng = random.Random(4)
+    kinds = ["complete"] * 6 + ["disconnect"] * 2 + ["abort"] * 2
+    jobs = [(rng.randrange(len(TEXT) - 4000), rng.randrange(40, 3000), rng.randint(1, 12), rng.choice(kinds)) for _ in range(200)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        done = list(pool.map(lambda job: _one(client, job), jobs))
+    assert len(done) == 200
+    assert cluster.metric("offloaded_admissions_total", worker="0") > 0  # the small device pool forced offloading
+
+    def drained() -> bool:
+        return (
+            cluster.metric("num_requests_running") == 0
+            and cluster.metric("num_requests_waiting") == 0
+            and cluster.metric("worker_device_kv_blocks_used", worker="0") == 0
+            and cluster.metric("host_kv_blocks_used") == 0
+        )
+
+    cluster.wait_for(drained, 60, "both tiers to be free again")
+    assert cluster.metric("host_kv_blocks_total") == 32768 // 16
+    assert cluster.metric("kv_allocators_corrupt") == 0
+    assert cluster.request("/health")[1]["status"] == "ok"
+
+
+def _long_stream(client: openai.OpenAI, start: int, max_tokens: int):
+    # ~2.4k tokens: more than the device pool holds with the output, so it is offloaded
+    return client.completions.create(
+        model=MODEL, prompt=TEXT[start : start + 10000], max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}, stream=True
+    )
+
+
+def test_kill_9_of_the_kv_store_fails_its_requests_clearly_and_it_comes_back(cluster, client):
+    before = cluster.metric("offloaded_admissions_total", worker="0")
+    events = iter(_long_stream(client, 1000, 400))
+    next(events)
+    assert cluster.metric("worker_requests_offloaded", worker="0") == 1
+    victim = cluster.children()["kv_store"]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as error:
+        for _ in events:
+            pass
+    assert "kv_store" in str(error.value)
+    restarted = cluster.wait_for(lambda: cluster.children().get("kv_store") not in (None, victim) and cluster.children()["kv_store"], 60)
+    KV_STORE_PIDS.add(restarted)
+    cluster.wait_for(lambda: cluster.request("/health")[1].get("status") == "ok", 60, "the kv_store to answer again")
+    assert not Path(f"/dev/shm/pulseinfer-kv-{victim}").exists()  # the new kv_store removed the dead one's segment
+    text = "".join(e.choices[0].text for e in _long_stream(client, 50000, 8))
+    assert text
+    assert cluster.metric("offloaded_admissions_total", worker="0") == before + 2
+    cluster.wait_for(lambda: cluster.metric("host_kv_blocks_used") == 0, 30, "the new pool to be free")
