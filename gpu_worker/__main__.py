@@ -26,7 +26,10 @@ def main() -> None:
         def attach() -> PoolView:
             layout = kv_store.register(config.worker_id)
             log.info("kv_store pool %s: %d blocks", layout.shm_name, layout.num_blocks)
-            return PoolView.attach(layout, c.num_kv_heads, w.block_size, c.head_dim, w.torch_dtype())
+            view = PoolView.attach(layout, c.num_kv_heads, w.block_size, c.head_dim, w.torch_dtype())
+            if w.device == "cuda":
+                view.pin()
+            return view
 
         Worker(config, loaded, HostTier(attach(), kv_store, attach)).serve(context, stop)
     finally:

@@ -318,7 +318,7 @@ class OffloadStep:
         self.prefix_buf, self.prefix_slots = cat(prefix_buf), cat(prefix_slots)
         self.chunk_buf, self.chunk_tokens = cat(chunk_buf), cat(chunk_tokens)
         self.dev_slots, self.dev_buf = cat(dev_slots), cat(dev_buf)
-        self.host_ids = torch.tensor(host_ids, dtype=torch.long)
+        self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
         self.host_buf = torch.tensor(host_buf, dtype=torch.long, device=device)
         self.summary_targets = summary_targets
         for seq, chunk in zip(self.seqs, chunks):
@@ -340,7 +340,7 @@ class OffloadStep:
             buffers.append(buf.view(-1, B, *cached.shape[1:]))
         if self.host_ids.numel():
             k_blocks, v_blocks = buffers[0][self.host_buf], buffers[1][self.host_buf]
-            self.manager.view.write(self.host_ids, layer, k_blocks.cpu(), v_blocks.cpu())
+            self.manager.view.write(self.host_ids, layer, k_blocks, v_blocks)
             for i, (seq, index) in enumerate(self.summary_targets):
                 seq.summaries.write(layer, index, k_blocks[i : i + 1])
 
@@ -368,11 +368,11 @@ class OffloadStep:
         B = self.geometry.block_size
         host = torch.tensor([h for h, _ in recalls], dtype=torch.long)
         dev = torch.tensor([d for _, d in recalls], dtype=torch.long)
-        units = self.manager.view.read(host, layer)  # [n, 2, kv_heads, B, dim]
         k_cache, v_cache = cache.layer(layer)
+        units = self.manager.view.read(host, layer, k_cache.device)  # [n, 2, kv_heads, B, dim]
         slots = (dev[:, None] * B + torch.arange(B)).reshape(-1).to(k_cache.device)
         for i, cached in enumerate((k_cache, v_cache)):
-            cached.index_copy_(0, slots, units[:, i].transpose(1, 2).reshape(-1, *cached.shape[1:]).to(cached.device))
+            cached.index_copy_(0, slots, units[:, i].transpose(1, 2).reshape(-1, *cached.shape[1:]))
         self.manager.recalled_blocks += len(recalls)
 
     def prefill_context(
@@ -392,8 +392,8 @@ class OffloadStep:
         for out, cached in ((k_out, k_cache), (v_out, v_cache)):
             out[positions] = cached.view(-1, row_size)[devs]
         if len(hosted):
-            units = self.manager.view.read(torch.tensor(seq.host_blocks[: len(hosted)], dtype=torch.long), layer)
+            units = self.manager.view.read(torch.tensor(seq.host_blocks[: len(hosted)], dtype=torch.long), layer, k_cache.device)
             for i, out in enumerate((k_out, v_out)):
-                out[hosted.start : hosted.stop] = units[:, i].transpose(1, 2).reshape(len(hosted), -1).to(out.device)
+                out[hosted.start : hosted.stop] = units[:, i].transpose(1, 2).reshape(len(hosted), -1)
         shape = (blocks * B, *k_cache.shape[1:])
         return k_out.view(shape), v_out.view(shape)

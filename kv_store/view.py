@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -59,18 +60,65 @@ class PoolView:
         return cls(buffer, num_blocks, num_layers, kv_heads, block_size, head_dim, dtype)
 
     def write(self, blocks: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes back full blocks of one layer in one scatter.
-        k, v: [n, block_size, kv_heads, head_dim], the device cache's slot-major layout."""
-        units = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=1)  # into the pool's unit layout
-        self._units.index_copy_(0, blocks * self.num_layers + layer, units.view(len(blocks), -1))
+        """Writes back full blocks of one layer. k, v: [n, block_size, kv_heads, head_dim], the
+        device cache's slot-major layout. On CPU one scatter; from a CUDA device one async copy per
+        unit into the pinned pool, queued on the current stream (so later reads on it are ordered)."""
+        units = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=1).view(len(blocks), -1)  # the pool's unit layout
+        rows = blocks.cpu() * self.num_layers + layer
+        if units.device.type == "cpu":
+            self._units.index_copy_(0, rows, units)
+            return
+        for i, row in enumerate(rows.tolist()):
+            self._units[row].copy_(units[i], non_blocking=True)
 
-    def read(self, blocks: torch.Tensor, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[n, 2, kv_heads, block_size, head_dim] for host blocks `blocks` of one layer, one gather
-        (into `out`, a reused buffer, when given: a fresh one costs page faults)."""
-        rows = None if out is None else out.view(len(blocks), -1)
-        rows = torch.index_select(self._units, 0, blocks * self.num_layers + layer, out=rows)
-        return rows.view(len(blocks), *self._unit_shape)
+    def read(self, blocks: torch.Tensor, layer: int, device: torch.device | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, 2, kv_heads, block_size, head_dim] for host blocks `blocks` of one layer, on `device`
+        (default: the CPU), into `out` when given (a reused buffer: a fresh one costs page faults).
+        On CPU one gather; to a CUDA device one async copy per unit, queued on the current stream
+        after the write-backs before it."""
+        rows = blocks.cpu() * self.num_layers + layer
+        device = out.device if out is not None else device or torch.device("cpu")
+        if out is None:
+            out = torch.empty((len(blocks), self._units.shape[1]), dtype=self._units.dtype, device=device)
+        flat = out.view(len(blocks), -1)
+        if device.type == "cpu":
+            torch.index_select(self._units, 0, rows, out=flat)
+        else:
+            for i, row in enumerate(rows.tolist()):
+                flat[i].copy_(self._units[row], non_blocking=True)
+        return flat.view(len(blocks), *self._unit_shape)
+
+    def pin(self, register: Callable[[int, int], int] | None = None) -> None:
+        """Registers the mapping with CUDA (page-locked, device-addressable), so copies to and from
+        it are DMA without a bounce buffer and can be asynchronous."""
+        address = self._units.data_ptr()
+        self._pinned = register_host_range(address, self._units.numel() * self._units.element_size(), register or _cuda_host_register)
 
     def close(self) -> None:
+        for address, _ in getattr(self, "_pinned", []):
+            torch.cuda.cudart().cudaHostUnregister(address)
         del self.blocks, self._units
         self._map.close()
+
+
+CUDA_REGISTER_CHUNK = 64 << 30  # one cudaHostRegister call over more than this fails on some drivers
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
+def register_host_range(address: int, size: int, register: Callable[[int, int], int]) -> list[tuple[int, int]]:
+    """cudaHostRegister over [address, address+size) in chunks of at most 64 GiB. A chunk this
+    process already registered (another mapping of the same pool) is accepted as it is and not
+    returned, so closing this view leaves it registered for its owner."""
+    registered = []
+    for offset in range(0, size, CUDA_REGISTER_CHUNK):
+        length = min(CUDA_REGISTER_CHUNK, size - offset)
+        code = register(address + offset, length)
+        if code == 0:
+            registered.append((address + offset, length))
+        elif code != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+            raise RuntimeError(f"cudaHostRegister of {length} bytes of the host KV pool failed with CUDA error {code}")
+    return registered
+
+
+def _cuda_host_register(address: int, size: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(address, size, 0))

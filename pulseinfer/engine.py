@@ -75,6 +75,8 @@ class Engine:
         c, block = self.loaded.config, self.config.worker.block_size
         blocks = self.config.host_kv_tokens // block
         view = PoolView.private(blocks, c.num_layers, c.num_kv_heads, block, c.head_dim, self.config.worker.torch_dtype())
+        if self.config.worker.device == "cuda":
+            view.pin()
         return HostTier(view, BlockAllocator(blocks))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:

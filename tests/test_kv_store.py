@@ -14,7 +14,7 @@ import zmq
 
 from kv_store.allocator import PoolExhausted
 from kv_store.client import KVStoreClient
-from kv_store.view import PoolMismatch, PoolView
+from kv_store.view import CUDA_REGISTER_CHUNK, PoolMismatch, PoolView, register_host_range
 from pulseinfer import probe
 
 # SmolLM2-135M: 3 kv heads x 64 dims; the pool is for fp32, block 16
@@ -120,3 +120,17 @@ def test_the_segment_is_gone_after_shutdown(tmp_path):
     process.terminate()
     process.wait(timeout=30)
     assert not segment.exists()
+
+
+def test_cuda_registration_goes_in_64_gib_chunks_and_accepts_an_already_registered_range():
+    calls = []
+
+    def register(address: int, size: int) -> int:
+        calls.append((address, size))
+        return 712 if len(calls) == 2 else 0  # cudaErrorHostMemoryAlreadyRegistered
+
+    registered = register_host_range(1000, 2 * CUDA_REGISTER_CHUNK + 5, register)
+    assert calls == [(1000, CUDA_REGISTER_CHUNK), (1000 + CUDA_REGISTER_CHUNK, CUDA_REGISTER_CHUNK), (1000 + 2 * CUDA_REGISTER_CHUNK, 5)]
+    assert registered == [calls[0], calls[2]]  # closing the view unregisters only what it registered
+    with pytest.raises(RuntimeError, match="CUDA error 2"):
+        register_host_range(0, 10, lambda address, size: 2)

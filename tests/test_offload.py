@@ -52,6 +52,18 @@ def test_full_budget_offload_equals_dense_at_2k_and_4k(model, corpus):
     _assert_all_freed(offloaded_engine)
 
 
+@pytest.mark.gpu
+def test_full_budget_offload_equals_dense_on_cuda(model, corpus):
+    prompts = [corpus[:1000], corpus[3000:3300]]
+
+    def run(policy: str, **offload) -> list[list[int]]:
+        worker = WorkerConfig(device="cuda", device_kv_tokens=16384, offload=OffloadConfig(**offload))
+        engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload=policy), host_kv_tokens=16384), loaded=model)
+        return [c.token_ids for c in engine.generate(prompts, GREEDY_32)]
+
+    assert run("always", sink=64, recent=128, budget=1024) == run("never")
+
+
 def test_long_requests_offload_and_short_ones_stay_resident_in_one_batch(model, corpus):
     short = [corpus[100:150], corpus[300:420]]
     long = corpus[5000:8000]  # 3000 tokens: more than the whole device pool

@@ -106,3 +106,18 @@ def test_kill_9_of_the_kv_store_fails_its_requests_clearly_and_it_comes_back(clu
     assert text
     assert cluster.metric("offloaded_admissions_total", worker="0") == before + 2
     cluster.wait_for(lambda: cluster.metric("host_kv_blocks_used") == 0, 30, "the new pool to be free")
+
+
+def test_kill_9_of_a_worker_frees_its_host_blocks_and_the_cluster_recovers(cluster, client):
+    events = iter(_long_stream(client, 30000, 400))
+    next(events)
+    assert cluster.metric("host_kv_blocks_used") > 0
+    victim = cluster.children()["gpu_worker0"]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        for _ in events:
+            pass
+    cluster.wait_for(lambda: cluster.metric("host_kv_blocks_used") == 0, 30, "the dead worker's host blocks to be freed")
+    cluster.wait_for(lambda: cluster.request("/health")[1].get("workers_alive") == 1, 120, "the restarted worker")
+    assert "".join(e.choices[0].text for e in _long_stream(client, 60000, 8))
+    cluster.wait_for(lambda: cluster.metric("host_kv_blocks_used") == 0, 30, "the host pool to be free")
