@@ -61,13 +61,15 @@ class PoolView:
 
     def write(self, blocks: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes back full blocks of one layer. k, v: [n, block_size, kv_heads, head_dim], the
-        device cache's slot-major layout. On CPU one scatter; from a CUDA device one async copy per
+        device cache's slot-major layout. On CPU one transposing scatter per K and V; from a CUDA device one async copy per
         unit into the pinned pool, queued on the current stream (so later reads on it are ordered)."""
-        units = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=1).view(len(blocks), -1)  # the pool's unit layout
         rows = blocks.cpu() * self.num_layers + layer
-        if units.device.type == "cpu":
-            self._units.index_copy_(0, rows, units)
+        if k.device.type == "cpu":  # transposing straight into the pool: twice as fast as stacking units first
+            units = self._units.view(-1, *self._unit_shape)
+            units[rows, 0] = k.transpose(1, 2)
+            units[rows, 1] = v.transpose(1, 2)
             return
+        units = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=1).view(len(blocks), -1)  # the pool's unit layout
         for i, row in enumerate(rows.tolist()):
             self._units[row].copy_(units[i], non_blocking=True)
 
