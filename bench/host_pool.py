@@ -4,7 +4,7 @@ kv_store segment, against a plain contiguous copy of the same bytes, in one run.
     python -m bench.host_pool [--blocks 2048] [--batch 256] [--json OUT]
 
 Write-back: `batch` full blocks of one layer (all heads, K and V) from the device cache's
-slot-major layout into their pool units (a transposing stack, then one scatter). Read-back: one index_select of `batch` scattered units
+slot-major layout into their pool units (one transposing scatter for K, one for V). Read-back: one index_select of `batch` scattered units
 of a layer into a reused buffer. Baseline: torch copy_ of a contiguous buffer of the same size.
 """
 

@@ -91,10 +91,14 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Forwar
 
 
 def pad_tables(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Pads each row with its own first block, so padding never points at unwritten memory."""
-    width = max((len(r) for r in rows), default=0)
-    padded = torch.empty(len(rows), width, dtype=torch.long)
+    """Pads each row with its own first block, so padding never points at unwritten memory. Rows
+    are [n], or [kv_heads, n] where each kv head attends its own blocks: then every row becomes
+    per-head ([b, kv_heads, width]), shared rows repeated for each head."""
+    width = max((r.shape[-1] for r in rows), default=0)
+    heads = next((r.shape[0] for r in rows if r.dim() == 2), None)
+    padded = torch.empty((len(rows), width) if heads is None else (len(rows), heads, width), dtype=torch.long)
     for i, row in enumerate(rows):
-        padded[i, : len(row)] = row
-        padded[i, len(row) :] = row[0]
+        n = row.shape[-1]
+        padded[i, ..., :n] = row
+        padded[i, ..., n:] = row[..., :1]
     return padded

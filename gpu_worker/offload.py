@@ -22,7 +22,9 @@ import torch
 
 from gpu_worker.batch import ForwardBatch, PrefillSpan, pad_tables
 from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.sparse import AttentionMass, BlockSummaries, select_blocks
 from kernels.attention import GatherWorkspace
+from kernels.gather_scatter import recall
 from kv_store.allocator import PoolExhausted
 from kv_store.client import HostPoolLost, KVStoreUnavailable
 from kv_store.view import PoolView
@@ -51,6 +53,9 @@ class OffloadConfig:
     sink: int = 64  # tokens at the start of the context, always attended, kept on device
     recent: int = 256  # recent window kept on device (the partly filled block included)
     budget: int = 1024  # host-tier tokens selected per (request, layer); the hot buffer holds this many
+    # evals: on each decode step also compute dense attention over the whole context, to report
+    # the share of its mass the selection keeps (reads every host block: slow)
+    measure_attention_mass: bool = False
 
     def geometry(self, block_size: int) -> OffloadGeometry:
         for name, low in (("sink", 0), ("recent", block_size), ("budget", block_size)):
@@ -78,49 +83,22 @@ class OffloadGeometry:
         return max(self.sink_blocks, last - self.ring_blocks + 1)
 
 
-class BlockSummaries:
-    """Per layer and host block: element-wise min and max of its keys, per kv head."""
-
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device):
-        self.kmin = torch.empty((num_layers, 0, kv_heads, head_dim), device=device)
-        self.kmax = torch.empty_like(self.kmin)
-
-    def reserve(self, count: int) -> None:
-        if count <= self.kmin.shape[1]:
-            return
-        layers, have, heads, dim = self.kmin.shape
-        grown = (layers, max(count, 2 * have, 16), heads, dim)
-        for name in ("kmin", "kmax"):
-            old = getattr(self, name)
-            new = torch.empty(grown, device=old.device)
-            new[:, :have] = old
-            setattr(self, name, new)
-
-    def write(self, layer: int, first: int, k_blocks: torch.Tensor) -> None:
-        """k_blocks: [n, block_size, kv_heads, dim] for summary slots first .. first+n-1."""
-        n = k_blocks.shape[0]
-        self.kmin[layer, first : first + n] = k_blocks.amin(dim=1).float()
-        self.kmax[layer, first : first + n] = k_blocks.amax(dim=1).float()
-
-
-def solohead_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, budget: int) -> list[int]:
-    """One top-k block set for all heads of a layer (SoloHead), by the Quest upper bound of q.k
-    summed over every query head (GQA groups included). q: [q_heads, dim]; kmin, kmax: [n, kv_heads, dim].
-    Returns the chosen block indices, ascending."""
-    n = kmin.shape[0]
-    if n <= budget:
-        return list(range(n))
-    heads = kmin.shape[1]
-    grouped = q.float().view(heads, q.shape[0] // heads, 1, q.shape[1])  # [kv_heads, group, 1, dim]
-    bound = torch.maximum(grouped * kmax.transpose(0, 1)[:, None], grouped * kmin.transpose(0, 1)[:, None])  # [kv_heads, group, n, dim]
-    scores = bound.sum(dim=(0, 1, 3))
-    return sorted(scores.topk(budget).indices.tolist())
-
-
 class OffloadedSeq:
-    """One offloaded request's KV on this worker: where each logical block lives."""
+    """One offloaded request's KV on this worker: where each logical block lives.
 
-    def __init__(self, seq_id: str, footprint: tuple[int, ...], geometry: OffloadGeometry, summaries: BlockSummaries, num_layers: int):
+    The hot buffer has one LRU per (layer, selection group): one group of all kv heads in
+    `pulse` mode, one per kv head in `headwise` mode (head h of a hot device block then holds
+    whichever block head h selected)."""
+
+    def __init__(
+        self,
+        seq_id: str,
+        footprint: tuple[int, ...],
+        geometry: OffloadGeometry,
+        summaries: BlockSummaries,
+        num_layers: int,
+        groups: int = 1,
+    ):
         g = geometry
         self.seq_id = seq_id
         self.footprint = footprint
@@ -131,7 +109,8 @@ class OffloadedSeq:
         self.length = 0  # tokens whose KV is stored
         self.host_blocks: list[int] = []  # host block of logical block sink_blocks + i
         self.summaries = summaries
-        self.hot: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(num_layers)]  # logical -> device block, LRU first
+        # [layer][group]: logical -> device block, least recently used first
+        self.hot: list[list[OrderedDict[int, int]]] = [[OrderedDict() for _ in range(groups)] for _ in range(num_layers)]
 
     def device_block(self, logical: int, length: int) -> int:
         """The device block of a sink or window block of a context of `length` tokens."""
@@ -141,11 +120,15 @@ class OffloadedSeq:
             return self.ring[logical % self.geometry.ring_blocks]
         raise KeyError(f"logical block {logical} of {self.seq_id} is in the host tier")
 
-    def recall_plan(self, layer: int, selected: list[int]) -> list[tuple[int, int]]:
-        """Updates the layer's hot buffer for a selection of host-tier blocks (logical ids);
-        returns the misses as (logical block, device block to fill). Least recently used
-        blocks outside the selection make room."""
-        hot = self.hot[layer]
+    def recall_plan(self, layer: int, selected: list[list[int]]) -> list[tuple[int, int, int]]:
+        """Updates the layer's hot buffers for a selection of host-tier blocks (logical ids, one
+        list per group); returns the misses as (logical block, group, device block to fill)."""
+        return [
+            (logical, group, dev) for group, chosen in enumerate(selected) for logical, dev in self._fill(self.hot[layer][group], chosen)
+        ]
+
+    def _fill(self, hot: OrderedDict[int, int], selected: list[int]) -> list[tuple[int, int]]:
+        """Least recently used blocks outside the selection make room for the misses."""
         chosen = set(selected)
         misses = [b for b in selected if b not in hot]
         used = set(hot.values())
@@ -162,30 +145,37 @@ class OffloadedSeq:
         hot.update(fills)
         return fills
 
-    def decode_row(self, layer: int, selected: list[int]) -> list[int]:
-        """Device blocks attended at this layer, in logical order: sink, selected, window."""
+    def decode_row(self, layer: int, selected: list[list[int]]) -> list[list[int]]:
+        """Device blocks attended at this layer, one row per group, in logical order: sink, selected, window."""
         length, g = self.length, self.geometry
         last = (length - 1) // g.block_size
-        window = range(g.window_start(length), last + 1) if last >= g.sink_blocks else range(0)
-        hot = self.hot[layer]
-        return (
-            [self.sink[j] for j in range(min(g.sink_blocks, last + 1))]
-            + [hot[j] for j in selected]
-            + [self.ring[j % g.ring_blocks] for j in window]
-        )
+        sink = [self.sink[j] for j in range(min(g.sink_blocks, last + 1))]
+        window = [self.ring[j % g.ring_blocks] for j in self.window(length)]
+        return [sink + [hot[j] for j in chosen] + window for hot, chosen in zip(self.hot[layer], selected)]
+
+    def window(self, length: int) -> range:
+        """Logical blocks of the recent window of a context of `length` tokens."""
+        last = (length - 1) // self.geometry.block_size
+        return range(self.geometry.window_start(length), last + 1) if last >= self.geometry.sink_blocks else range(0)
 
 
 class OffloadManager:
     """The worker's offloaded requests: their states, host blocks and per-step plumbing."""
 
-    def __init__(self, geometry: OffloadGeometry, num_layers: int, host: HostTier):
+    def __init__(self, geometry: OffloadGeometry, num_layers: int, host: HostTier, per_head: bool = False, measure_mass: bool = False):
         self.geometry = geometry
         self.num_layers = num_layers
         self.view = host.view
         self.allocator = host.allocator
         self.reattach = host.reattach
+        self.per_head = per_head  # headwise: one selection per kv head, recalls per (block, head)
+        self.mass = AttentionMass() if measure_mass else None
+        self.workspace = GatherWorkspace()  # the attention-mass measurement's context gathers
         self.seqs: dict[str, OffloadedSeq] = {}
-        self.recalled_blocks = 0
+        self.decoded_rows = 0  # offloaded (request, step) decodes
+        self.recalled_units = 0  # (block, layer) units, or (block, layer, head) in headwise mode
+        self.recall_transfers = 0  # contiguous host ranges read: K and V of a head are apart
+        self.recall_bytes = 0
         self.written_blocks = 0
 
     def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
@@ -241,7 +231,8 @@ class OffloadManager:
             if len(footprint) != g.device_blocks:
                 raise ValueError(f"request {seq_id}: {len(footprint)} device blocks for an offloaded request, expected {g.device_blocks}")
             summaries = BlockSummaries(self.num_layers, kv_heads, head_dim, device)
-            seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, summaries, self.num_layers)
+            groups = kv_heads if self.per_head else 1
+            seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, summaries, self.num_layers, groups)
         if seq.length != start or seq.footprint != tuple(footprint):
             raise ValueError(f"request {seq_id}: the plan (position {start}) disagrees with the worker's state ({seq.length} tokens)")
         hosted = max(0, end // g.block_size - g.sink_blocks)
@@ -262,12 +253,20 @@ class OffloadManager:
             return None
         return OffloadStep(self, chunks, batch)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float | None]:
+        rows = max(self.decoded_rows, 1)
         return {
             "offloaded": len(self.seqs),
             "host_blocks": sum(len(s.host_blocks) for s in self.seqs.values()),
-            "recalled_blocks": self.recalled_blocks,
             "written_blocks": self.written_blocks,
+            "decoded_rows": self.decoded_rows,
+            "recalled_units": self.recalled_units,
+            "recall_transfers": self.recall_transfers,
+            "recall_bytes": self.recall_bytes,
+            "recall_transfers_per_step": self.recall_transfers / rows,  # per offloaded request and decode step, all layers
+            "recall_bytes_per_step": self.recall_bytes / rows,
+            "attention_mass": self.mass.mean if self.mass else None,
+            "attention_mass_min": self.mass.minimum if self.mass and self.mass.count else None,
         }
 
 
@@ -345,42 +344,73 @@ class OffloadStep:
                 seq.summaries.write(layer, index, k_blocks[i : i + 1])
 
     def decode_tables(self, layer: int, cache: PagedKVCache, q: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's decode block tables for this layer, offloaded rows selected and recalled."""
+        """The batch's decode block tables for this layer, offloaded rows selected and recalled
+        ([b, max_blocks], or [b, kv_heads, max_blocks] in headwise mode)."""
         rows, lens = list(batch.decode_rows), batch.decode_ctx_lens.clone()
-        recalls: list[tuple[int, int]] = []  # (host block, device block)
-        B = self.geometry.block_size
+        recalls: list[tuple[int, int, int]] = []  # (host block, group, device block)
+        g, manager = self.geometry, self.manager
         for seq_id, row in self.decode_rows.items():
             seq = self.by_id[seq_id]
-            hosted = self.geometry.window_start(seq.length) - self.geometry.sink_blocks
-            summaries = seq.summaries
-            picked = solohead_select(q[row], summaries.kmin[layer, :hosted], summaries.kmax[layer, :hosted], self.geometry.hot_blocks)
-            logical = [self.geometry.sink_blocks + i for i in picked]
-            recalls += [(seq.host_blocks[j - self.geometry.sink_blocks], dev) for j, dev in seq.recall_plan(layer, logical)]
-            table = seq.decode_row(layer, logical)
-            rows[row] = torch.tensor(table, dtype=torch.long)
-            lens[row] = (len(table) - 1) * B + (seq.length - 1) % B + 1
+            hosted = g.window_start(seq.length) - g.sink_blocks
+            kmin, kmax = seq.summaries.kmin[layer, :hosted], seq.summaries.kmax[layer, :hosted]
+            selected = [[g.sink_blocks + i for i in chosen] for chosen in select_blocks(q[row], kmin, kmax, g.hot_blocks, manager.per_head)]
+            recalls += [(seq.host_blocks[j - g.sink_blocks], group, dev) for j, group, dev in seq.recall_plan(layer, selected)]
+            table = seq.decode_row(layer, selected)
+            rows[row] = torch.tensor(table if manager.per_head else table[0], dtype=torch.long)
+            lens[row] = (len(table[0]) - 1) * g.block_size + (seq.length - 1) % g.block_size + 1
+            if manager.mass is not None:
+                self._measure(layer, cache, q[row], seq, selected)
+        if layer == 0:
+            manager.decoded_rows += len(self.decode_rows)
         if recalls:
             self._recall(layer, cache, recalls)
         return pad_tables(rows).to(q.device), lens
 
-    def _recall(self, layer: int, cache: PagedKVCache, recalls: list[tuple[int, int]]) -> None:
-        """One gather of every missed block of the layer from the host pool, one scatter into the hot buffers."""
-        B = self.geometry.block_size
-        host = torch.tensor([h for h, _ in recalls], dtype=torch.long)
-        dev = torch.tensor([d for _, d in recalls], dtype=torch.long)
+    def _recall(self, layer: int, cache: PagedKVCache, recalls: list[tuple[int, int, int]]) -> None:
+        """One gather of every missed unit of the layer from the host pool, scattered into the hot
+        buffers: whole (block, layer) units in pulse mode, one kv head of each in headwise mode.
+        On CUDA the units are staged on the device first (one copy per unit), then scattered."""
+        view, manager = self.manager.view, self.manager
         k_cache, v_cache = cache.layer(layer)
-        units = self.manager.view.read(host, layer, k_cache.device)  # [n, 2, kv_heads, B, dim]
-        slots = (dev[:, None] * B + torch.arange(B)).reshape(-1).to(k_cache.device)
-        for i, cached in enumerate((k_cache, v_cache)):
-            cached.index_copy_(0, slots, units[:, i].transpose(1, 2).reshape(-1, *cached.shape[1:]))
-        self.manager.recalled_blocks += len(recalls)
+        host = torch.tensor([h for h, _, _ in recalls], dtype=torch.long)
+        dev = torch.tensor([d for _, _, d in recalls], dtype=torch.long, device=k_cache.device)
+        heads = torch.tensor([h for _, h, _ in recalls], dtype=torch.long, device=k_cache.device) if manager.per_head else None
+        if k_cache.is_cuda:
+            units, index = view.read(host, layer, k_cache.device), torch.arange(len(recalls), device=k_cache.device)
+        else:
+            units, index = view.units, view.unit_rows(host, layer)
+        recall(units, index, k_cache, v_cache, dev, heads)
+        unit_bytes = view.unit_bytes // (view.kv_heads if manager.per_head else 1)
+        manager.recalled_units += len(recalls)
+        manager.recall_transfers += len(recalls) * (2 if manager.per_head else 1)
+        manager.recall_bytes += len(recalls) * unit_bytes
+
+    def _measure(self, layer: int, cache: PagedKVCache, q: torch.Tensor, seq: OffloadedSeq, selected: list[list[int]]) -> None:
+        """Adds the share of dense attention mass on the attended blocks (evals only)."""
+        g, length = self.geometry, seq.length
+        k, _ = self.context_kv(layer, cache, seq, length, self.manager.workspace)
+        blocks = (length - 1) // g.block_size + 1
+        attended = torch.zeros((len(selected), blocks), dtype=torch.bool)
+        attended[:, : g.sink_blocks] = True
+        attended[:, g.window_start(length) :] = True
+        for group, chosen in enumerate(selected):
+            attended[group, chosen] = True
+        positions = attended.repeat_interleave(g.block_size, dim=1)[:, :length].to(q.device)
+        self.manager.mass.add(q, k[:length].transpose(0, 1), positions)
 
     def prefill_context(
         self, layer: int, cache: PagedKVCache, span: PrefillSpan, workspace: GatherWorkspace
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of an offloaded request's whole context [0, span.ctx_len), in position order."""
-        seq, g = self.by_id[span.seq_id], self.geometry
-        B, length = g.block_size, span.ctx_len
+        return self.context_kv(layer, cache, self.by_id[span.seq_id], span.ctx_len, workspace)
+
+    def context_kv(
+        self, layer: int, cache: PagedKVCache, seq: OffloadedSeq, length: int, workspace: GatherWorkspace
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [0, length) of an offloaded request (sink and window from the
+        device, the rest read back from the host pool): [blocks * block_size, kv_heads, dim]."""
+        g = self.geometry
+        B = g.block_size
         blocks = (length - 1) // B + 1
         k_cache, v_cache = cache.layer(layer)
         row_size = B * k_cache.shape[1] * k_cache.shape[2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,18 +14,28 @@ from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.loader import LoadedModel
 from gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
 from gpu_worker.sampler import sample
-from scheduler.plan import SampledToken, StepOutcome, StepPlan
+from gpu_worker.sparse import MODES
+from scheduler.plan import Chunk, SampledToken, StepOutcome, StepPlan
 
 log = logging.getLogger("gpu_worker")
+
+Pick = Callable[[torch.Tensor, list[Chunk]], list[int]]  # (logits [S, vocab], the sampled chunks) -> a token each
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    # dense: every request resident, nothing offloaded; pulse: offloaded requests attend one block
+    # selection per (request, layer) (SoloHead); headwise: one selection per kv head (the baseline)
+    mode: str = "pulse"
     device: str = "cpu"  # cpu | cuda
     dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
     block_size: int = 16
     device_kv_tokens: int = 65536  # capacity of the device KV pool
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -55,7 +66,7 @@ class ModelRunner:
         self.model_config = loaded.config
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype)
         self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device)
-        self.offload = None if host is None else self._offload_manager(host)
+        self.offload = None if host is None or config.mode == "dense" else self._offload_manager(host)
 
     def _offload_manager(self, host: HostTier) -> OffloadManager:
         geometry = self.config.offload.geometry(self.config.block_size)
@@ -66,7 +77,8 @@ class ModelRunner:
                 geometry.device_blocks,
                 self.cache.spec.num_blocks,
             )
-        return OffloadManager(geometry, self.model_config.num_layers, host)
+        offload = self.config.offload
+        return OffloadManager(geometry, self.model_config.num_layers, host, self.config.mode == "headwise", offload.measure_attention_mass)
 
     @property
     def cache_spec(self) -> KVCacheSpec:
@@ -77,7 +89,9 @@ class ModelRunner:
         """Device blocks one offloaded request holds; 0 without a host pool (nothing can be offloaded)."""
         return self.offload.geometry.device_blocks if self.offload is not None else 0
 
-    def execute(self, plan: StepPlan) -> StepOutcome:
+    def execute(self, plan: StepPlan, pick: Pick | None = None) -> StepOutcome:
+        """Runs one step. `pick` chooses each sampled chunk's token from its logits (default: the
+        chunk's sampling parameters; the perplexity eval forces the text's next token)."""
         plan, failed = self._admit(plan)
         if not plan.chunks:
             return StepOutcome([], failed)
@@ -85,7 +99,7 @@ class ModelRunner:
         offload = self.offload.begin(plan, batch) if self.offload is not None else None
         logits = self.model.forward(batch, self.cache, offload)
         sampled = [c for c in plan.chunks if c.sampling is not None]
-        tokens = sample(logits, [c.sampling for c in sampled])
+        tokens = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
         return StepOutcome([SampledToken(c.seq_id, t) for c, t in zip(sampled, tokens)], failed)
 
     def _admit(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:

@@ -42,27 +42,42 @@ def gather_blocks(
     return k_out.view(shape), v_out.view(shape)
 
 
+def gather_head_blocks(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of per-kv-head block tables [b, kv_heads, n]: [b, kv_heads, n * block_size, dim]."""
+    heads, dim = k_cache.shape[1:]
+    batch, _, n = tables.shape
+    head = torch.arange(heads, device=tables.device)[None, :, None]
+    k = k_cache.view(-1, block_size, heads, dim)[tables, :, head]  # [b, kv_heads, n, block_size, dim]
+    v = v_cache.view(-1, block_size, heads, dim)[tables, :, head]
+    return k.view(batch, heads, n * block_size, dim), v.view(batch, heads, n * block_size, dim)
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [batch, q_heads, dim], one query token per sequence
     k_cache: torch.Tensor,  # [slots, kv_heads, dim]
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [batch, max_blocks]; padding repeats a block of the same row
-    ctx_lens: torch.Tensor,  # [batch]
+    block_tables: torch.Tensor,  # [batch, max_blocks], or [batch, kv_heads, max_blocks] when each kv head attends its own blocks
+    ctx_lens: torch.Tensor,  # [batch]; padding of a table repeats a block of the same row
     block_size: int,
     workspace: GatherWorkspace,
 ) -> torch.Tensor:
     _check(q, k_cache, v_cache)
-    batch = q.shape[0]
-    if block_tables.shape[0] != batch or ctx_lens.shape != (batch,):
+    batch, heads = q.shape[0], k_cache.shape[1]
+    per_head = block_tables.dim() == 3
+    if block_tables.shape[0] != batch or ctx_lens.shape != (batch,) or (per_head and block_tables.shape[1] != heads):
         raise ValueError(
             f"decode attention: q {tuple(q.shape)}, block_tables {tuple(block_tables.shape)}, ctx_lens {tuple(ctx_lens.shape)}"
         )
-    k, v = gather_blocks(k_cache, v_cache, block_tables, block_size, workspace)  # [batch, ctx, kv_heads, dim]
-    valid = torch.arange(k.shape[1], device=q.device)[None, :] < ctx_lens[:, None]
+    if per_head:
+        k, v = gather_head_blocks(k_cache, v_cache, block_tables, block_size)  # [batch, kv_heads, ctx, dim]
+    else:  # whole blocks, all heads: one contiguous row per block
+        k, v = (t.transpose(1, 2) for t in gather_blocks(k_cache, v_cache, block_tables, block_size, workspace))
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < ctx_lens[:, None]
     # The query heads of a GQA group become query rows against their kv head: no K/V expansion.
-    heads = k.shape[2]
     grouped = q.view(batch, heads, q.shape[1] // heads, q.shape[2])
-    out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :])
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=valid[:, None, None, :])
     return out.reshape(q.shape)
 
 

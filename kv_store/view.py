@@ -32,6 +32,8 @@ class PoolView:
         # one row per (block, layer) unit: gathers and scatters on a contiguous 2-d tensor take torch's fast row-copy path
         self._units = flat.view(num_blocks * num_layers, -1)
         self._unit_shape = (2, kv_heads, block_size, head_dim)
+        self.kv_heads = kv_heads
+        self.unit_bytes = self._units.shape[1] * self._units.element_size()
 
     @classmethod
     def attach(cls, layout: kv_store_pb2.PoolLayout, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
@@ -59,15 +61,23 @@ class PoolView:
         buffer = mmap.mmap(-1, num_blocks * num_layers * 2 * kv_heads * block_size * head_dim * element)
         return cls(buffer, num_blocks, num_layers, kv_heads, block_size, head_dim, dtype)
 
+    @property
+    def units(self) -> torch.Tensor:
+        """[num_blocks * num_layers, 2, kv_heads, block_size, head_dim]: one row per (block, layer) unit."""
+        return self._units.view(-1, *self._unit_shape)
+
+    def unit_rows(self, blocks: torch.Tensor, layer: int) -> torch.Tensor:
+        """Rows of `units` holding layer `layer` of host blocks `blocks`."""
+        return blocks.cpu() * self.num_layers + layer
+
     def write(self, blocks: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes back full blocks of one layer. k, v: [n, block_size, kv_heads, head_dim], the
         device cache's slot-major layout. On CPU one transposing scatter per K and V; from a CUDA device one async copy per
         unit into the pinned pool, queued on the current stream (so later reads on it are ordered)."""
-        rows = blocks.cpu() * self.num_layers + layer
+        rows = self.unit_rows(blocks, layer)
         if k.device.type == "cpu":  # transposing straight into the pool: twice as fast as stacking units first
-            units = self._units.view(-1, *self._unit_shape)
-            units[rows, 0] = k.transpose(1, 2)
-            units[rows, 1] = v.transpose(1, 2)
+            self.units[rows, 0] = k.transpose(1, 2)
+            self.units[rows, 1] = v.transpose(1, 2)
             return
         units = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=1).view(len(blocks), -1)  # the pool's unit layout
         for i, row in enumerate(rows.tolist()):
@@ -78,7 +88,7 @@ class PoolView:
         (default: the CPU), into `out` when given (a reused buffer: a fresh one costs page faults).
         On CPU one gather; to a CUDA device one async copy per unit, queued on the current stream
         after the write-backs before it."""
-        rows = blocks.cpu() * self.num_layers + layer
+        rows = self.unit_rows(blocks, layer)
         device = out.device if out is not None else device or torch.device("cpu")
         if out is None:
             out = torch.empty((len(blocks), self._units.shape[1]), dtype=self._units.dtype, device=device)

@@ -10,8 +10,6 @@ from pathlib import Path
 
 from pulseinfer.flags import add_flags, from_flags
 
-MODES = ("dense",)
-
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt with the in-process engine")
@@ -19,7 +17,6 @@ def _generate_parser(sub) -> None:
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", type=Path, help="file holding the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
-    p.add_argument("--mode", choices=MODES, default="dense", help="attention mode")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[], help="stop token id (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
@@ -69,11 +66,41 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(from_flags(ServeConfig, args))
 
 
+def _eval_parser(sub) -> None:
+    from pulseinfer.engine import EngineConfig
+    from pulseinfer.evals import PasskeyConfig, PerplexityConfig
+
+    p = sub.add_parser("eval", help="accuracy of a decoding mode on the real model")
+    tasks = p.add_subparsers(dest="task", required=True)
+    for task, config, help_text in (
+        ("passkey", PasskeyConfig, "retrieval of a 5-digit key hidden in plain-text filler"),
+        ("ppl", PerplexityConfig, "perplexity of the last tokens of each window, each predicted by a decode step"),
+    ):
+        t = tasks.add_parser(task, help=help_text)
+        add_flags(t, config)
+        add_flags(t, EngineConfig)
+        t.add_argument("--json", action="store_true", help="print the whole result as one JSON line (with every case)")
+        t.set_defaults(handler=_eval, task_config=config)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from pulseinfer.engine import EngineConfig
+    from pulseinfer.evals import evaluate
+
+    result = evaluate(args.task, from_flags(EngineConfig, args), from_flags(args.task_config, args))
+    if args.json:
+        print(json.dumps(result))
+    else:  # the same object, readable, without the per-case list
+        print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pulseinfer", description="PulseInfer: sparse KV-cache offloading for long-context decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _eval_parser(sub)
     return parser
 
 

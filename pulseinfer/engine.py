@@ -10,13 +10,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch
+
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.offload import HostTier
-from gpu_worker.runner import ModelRunner, WorkerConfig
+from gpu_worker.runner import ModelRunner, Pick, WorkerConfig
+from gpu_worker.sparse import check_mode
 from gpu_worker.tokenizer import TextStream
 from kv_store.allocator import BlockAllocator
 from kv_store.view import PoolView
 from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
+from scheduler.plan import Chunk
 from scheduler.request import FinishReason, SamplingParams, Sequence
 
 
@@ -60,7 +64,8 @@ class Engine:
         self.config = config
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
-        self.host = self._host_tier() if config.batcher.offload != "never" else None
+        check_mode(config.worker.mode, config.batcher.offload)
+        self.host = self._host_tier() if config.batcher.offload != "never" and config.worker.mode != "dense" else None
         self.runner = ModelRunner(self.loaded, config.worker, self.host)
         spec = self.runner.cache_spec
         self.allocator = BlockAllocator(spec.num_blocks)
@@ -87,12 +92,12 @@ class Engine:
         self._streams[seq_id] = TextStream(self.tokenizer, params.stop, prompt_ids)
         return seq_id
 
-    def step(self) -> list[Completion]:
+    def step(self, pick: Pick | None = None) -> list[Completion]:
         """One batched forward; returns the requests that finished in it."""
         plan = self.batcher.schedule()
         if plan is None:
             return []
-        outcome = self.runner.execute(plan)
+        outcome = self.runner.execute(plan, pick)
         finished = self.batcher.commit(plan, outcome.tokens)
         for seq_id, error in outcome.failed.items():
             if (seq := self.batcher.abort(seq_id, FinishReason.ERROR)) is not None:
@@ -115,6 +120,42 @@ class Engine:
             for completion in self.step():
                 done[completion.seq_id] = completion
         return [done[i] for i in ids]
+
+    def score(self, texts: list[list[int]], tail: int) -> list[list[float]]:
+        """Log-probability of each of the last `tail` tokens of each text, every one predicted by a
+        decode step (teacher forcing: the text's own next token is fed back, not a sampled one)."""
+        targets: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+        params = SamplingParams(max_tokens=tail + 1, ignore_eos=True)
+        for ids in texts:
+            if len(ids) <= tail + 1:
+                raise ValueError(f"a text of {len(ids)} tokens has no context before its last {tail} tokens")
+            seq_id = self.submit(ids[: -tail - 1], params)
+            targets[seq_id], logprobs[seq_id] = ids[-tail - 1 :], []
+
+        def force(logits: torch.Tensor, chunks: list[Chunk]) -> list[int]:
+            tokens = []
+            for row, chunk in zip(logits, chunks):
+                done = len(self._seqs[chunk.seq_id].output_ids)
+                token = targets[chunk.seq_id][done]
+                if done:  # the first target is predicted by the prefill, not by a decode step
+                    logprobs[chunk.seq_id].append(torch.log_softmax(row, dim=-1)[token].item())
+                tokens.append(token)
+            return tokens
+
+        pending = set(targets)
+        while pending or self.batcher.released:
+            for completion in self.step(force):
+                if completion.error:
+                    raise RuntimeError(f"scoring failed: {completion.error}")
+                pending.discard(completion.seq_id)
+        return [logprobs[seq_id] for seq_id in targets]
+
+    def selection_stats(self) -> dict:
+        """What the offloaded requests' selections kept and moved (dense: everything, nothing)."""
+        if self.runner.offload is None:
+            return {"attention_mass": 1.0, "recall_transfers_per_step": 0.0, "recall_bytes_per_step": 0.0}
+        return self.runner.offload.stats()
 
     def _complete(self, seq: Sequence) -> Completion:
         stream = self._streams.pop(seq.seq_id)

@@ -23,6 +23,7 @@ from pathlib import Path
 from gateway.server import GatewayConfig
 from gpu_worker.runner import WorkerConfig
 from gpu_worker.server import WorkerServiceConfig
+from gpu_worker.sparse import check_mode
 from kv_store.server import KVStoreConfig
 from pulseinfer import probe
 from pulseinfer.flags import to_flags
@@ -50,6 +51,9 @@ class ServeConfig:
     startup_timeout_s: float = 300.0
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
+
+    def __post_init__(self) -> None:
+        check_mode(self.worker.mode, self.batcher.offload)
 
 
 class Child:

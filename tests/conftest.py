@@ -1,7 +1,15 @@
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Without CUDA the Triton kernels run in its interpreter. Triton reads this when a kernel is
+# decorated, so it is set before anything imports kernels/.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from gpu_worker.model.loader import LoadedModel, default_model_path, load_model
 from pulseinfer.engine import Engine, EngineConfig

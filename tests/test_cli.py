@@ -1,4 +1,4 @@
-"""`pulseinfer generate` end to end, in a subprocess, as a user runs it."""
+"""`pulseinfer generate` and `pulseinfer eval` end to end, in a subprocess, as a user runs them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,39 @@ import sys
 import pytest
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pulseinfer.cli", "generate", *args], capture_output=True, text=True, timeout=300)
+def run_cli(*args: str, command: str = "generate") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pulseinfer.cli", *command.split(), *args], capture_output=True, text=True, timeout=300)
+
+
+SMALL_SPARSE = ("--sink", "16", "--recent", "32", "--budget", "64")  # 4 of ~25 host blocks selected at 500 tokens
+
+
+@pytest.mark.parametrize("mode", ["pulse", "headwise"])
+def test_eval_passkey_reports_accuracy_mass_and_transfers(mode):
+    result = run_cli(
+        "--lengths", "500", "--depths", "0.5", "--trials", "1", "--mode", mode, *SMALL_SPARSE, "--json", command="eval passkey"
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["settings"]["mode"] == mode and out["settings"]["budget"] == 64
+    (case,) = out["cases"]
+    assert 450 <= case["tokens"] <= 550 and case["found"] == (str(case["key"]) in case["answer"])
+    selection = out["selection"]
+    assert 0 < selection["attention_mass_min"] <= selection["attention_mass"] <= 1
+    assert selection["decoded_rows"] >= 1 and selection["recall_transfers_per_step"] > 0
+
+
+def test_eval_ppl_dense_and_bad_settings(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(200)))
+    args = ("--file", str(text), "--context", "256", "--score-tokens", "16", "--windows", "2")
+    result = run_cli(*args, "--mode", "dense", "--json", command="eval ppl")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["scored_tokens"] == 32 and 1 < out["perplexity"] < 20  # repetitive text: low but not 1
+    assert out["selection"]["attention_mass"] == 1.0
+    bad = run_cli(*args[:2], "--context", "256", "--score-tokens", "300", command="eval ppl")
+    assert bad.returncode != 0 and "--score-tokens" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_chat_capital_of_france():

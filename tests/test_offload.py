@@ -9,8 +9,10 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from gpu_worker.offload import BlockSummaries, OffloadConfig, OffloadedSeq, solohead_select
+from gpu_worker.batch import pad_tables
+from gpu_worker.offload import OffloadConfig, OffloadedSeq
 from gpu_worker.runner import WorkerConfig
+from gpu_worker.sparse import BlockSummaries, select_blocks
 from pulseinfer.engine import Engine, EngineConfig
 from scheduler.batcher import BatcherConfig
 from scheduler.request import SamplingParams
@@ -23,8 +25,8 @@ def corpus(model) -> list[int]:
     return model.tokenizer.encode(" ".join(pydoc_data.topics.topics.values())[:200_000])
 
 
-def _engine(model, policy: str, device_tokens: int, host_tokens: int = 131072, **offload) -> Engine:
-    worker = WorkerConfig(device_kv_tokens=device_tokens, offload=OffloadConfig(**offload))
+def _engine(model, policy: str, device_tokens: int, host_tokens: int = 131072, mode: str = "pulse", **offload) -> Engine:
+    worker = WorkerConfig(mode=mode, device_kv_tokens=device_tokens, offload=OffloadConfig(**offload))
     return Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload=policy), host_kv_tokens=host_tokens), loaded=model)
 
 
@@ -48,8 +50,11 @@ def test_full_budget_offload_equals_dense_at_2k_and_4k(model, corpus):
     stats = offloaded_engine.runner.offload.stats()
     stored = [len(p) + GREEDY_32.max_tokens - 1 for p in prompts]  # the last sampled token's KV is never computed
     assert stats["written_blocks"] == sum(n // 16 - 64 // 16 for n in stored)  # every full block past the sink, once
-    assert stats["recalled_blocks"] > 0
+    assert stats["recalled_units"] > 0
     _assert_all_freed(offloaded_engine)
+    # head-wise selection over every block attends the same keys, one table per kv head
+    headwise = _engine(model, "always", 16384, mode="headwise", sink=64, recent=256, budget=4096).generate(prompts, GREEDY_32)
+    assert [c.token_ids for c in headwise] == [c.token_ids for c in dense]
 
 
 @pytest.mark.gpu
@@ -110,7 +115,7 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     summaries.reserve(blocks)
     summaries.write(0, 0, keys)
     q = torch.randn(kv_heads * group, dim)
-    picked = solohead_select(q, summaries.kmin[0, :blocks], summaries.kmax[0, :blocks], 4)
+    (picked,) = select_blocks(q, summaries.kmin[0, :blocks], summaries.kmax[0, :blocks], 4, per_head=False)
     grouped = q.view(kv_heads, group, dim)
     bound = [
         sum(torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for h in range(kv_heads))
@@ -120,15 +125,37 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     for b in range(blocks):  # an upper bound of every token's q.k summed over the heads
         exact = torch.einsum("hgd,thd->t", grouped, keys[b]).max().item()
         assert bound[b] >= exact - 1e-4
-    assert solohead_select(q, summaries.kmin[0, :3], summaries.kmax[0, :3], 4) == [0, 1, 2]
+    assert select_blocks(q, summaries.kmin[0, :3], summaries.kmax[0, :3], 4, per_head=False) == [[0, 1, 2]]
+    per_head = select_blocks(q, summaries.kmin[0, :blocks], summaries.kmax[0, :blocks], 4, per_head=True)
+    for h, chosen in enumerate(per_head):  # head-wise: each kv head's own top 4 by its group's bound
+        head_bound = [
+            torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for b in range(blocks)
+        ]
+        assert chosen == sorted(sorted(range(blocks), key=lambda b: -head_bound[b])[:4])
+    assert len({tuple(c) for c in per_head}) > 1  # the heads disagree: head-wise recalls fragment
 
 
 def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():
     g = OffloadConfig(sink=16, recent=16, budget=48).geometry(16)  # 3 hot blocks
     seq = OffloadedSeq("s", (100, 101, 200, 201, 202), g, BlockSummaries(1, 1, 4, torch.device("cpu")), num_layers=1)
-    assert [logical for logical, _ in seq.recall_plan(0, [5, 6, 7])] == [5, 6, 7]
-    assert sorted(seq.hot[0].values()) == [200, 201, 202]
-    assert seq.recall_plan(0, [5, 6, 7]) == []  # all present: nothing moves
-    fills = seq.recall_plan(0, [6, 7, 9])
-    assert fills == [(9, 200)]  # 5 was least recently used and not selected: its block is reused
-    assert list(seq.hot[0]) == [6, 7, 9] and isinstance(seq.hot[0], OrderedDict)
+    assert [logical for logical, _, _ in seq.recall_plan(0, [[5, 6, 7]])] == [5, 6, 7]
+    assert sorted(seq.hot[0][0].values()) == [200, 201, 202]
+    assert seq.recall_plan(0, [[5, 6, 7]]) == []  # all present: nothing moves
+    fills = seq.recall_plan(0, [[6, 7, 9]])
+    assert fills == [(9, 0, 200)]  # 5 was least recently used and not selected: its block is reused
+    assert list(seq.hot[0][0]) == [6, 7, 9] and isinstance(seq.hot[0][0], OrderedDict)
+
+
+def test_headwise_hot_buffer_keeps_one_lru_per_kv_head():
+    g = OffloadConfig(sink=16, recent=16, budget=32).geometry(16)  # 2 hot blocks, shared by 2 heads
+    seq = OffloadedSeq("s", (100, 101, 200, 201), g, BlockSummaries(1, 2, 4, torch.device("cpu")), num_layers=1, groups=2)
+    assert seq.recall_plan(0, [[5, 6], [6, 8]]) == [(5, 0, 200), (6, 0, 201), (6, 1, 200), (8, 1, 201)]
+    assert seq.recall_plan(0, [[5, 6], [6, 9]]) == [(9, 1, 201)]  # only head 1's new block moves
+    seq.length = 16 * 12 + 3  # window: block 12; sink: block 0
+    assert seq.decode_row(0, [[5, 6], [6, 9]]) == [[100, 200, 201, 101], [100, 200, 201, 101]]
+
+
+def test_pad_tables_makes_shared_rows_per_head_when_any_row_is():
+    shared, per_head = torch.tensor([7, 8]), torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert pad_tables([shared, torch.tensor([9])]).tolist() == [[7, 8], [9, 9]]
+    assert pad_tables([shared, per_head]).tolist() == [[[7, 8, 7], [7, 8, 7]], [[1, 2, 3], [4, 5, 6]]]

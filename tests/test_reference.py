@@ -77,3 +77,14 @@ def test_safetensors_dir_from_gguf_gives_same_logits(model, engine, long_ids, tm
     ids = long_ids[:256]
     # same weights; fp32 GEMM results may differ in the last bits with memory alignment
     assert (last_logits(runner, ids) - last_logits(engine.runner, ids)).abs().max().item() < 1e-4
+
+
+def test_teacher_forced_scores_match_hf(engine, long_ids, hf_model):
+    """Engine.score (the perplexity eval) decodes the last tokens one step each, feeding the text's own tokens."""
+    ids = long_ids[:400]
+    (ours,) = engine.score([ids], 24)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [ref[pos - 1, ids[pos]].item() for pos in range(len(ids) - 24, len(ids))]
+    assert len(ours) == 24
+    assert max(abs(a - b) for a, b in zip(ours, expected)) < 1e-3

@@ -12,6 +12,7 @@ from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.offload import OffloadStep
 from kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention, prefill_attention
+from kernels.decode_triton import paged_decode_attention_triton
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class LlamaModel:
             tables, lens = batch.decode_block_tables, batch.decode_ctx_lens
             if offload is not None:
                 tables, lens = offload.decode_tables(index, cache, q_decode, batch)
-            out[batch.decode_index] = paged_decode_attention(q_decode, k_cache, v_cache, tables, lens, block, self.workspace)
+            out[batch.decode_index] = self._decode_attention(q_decode, k_cache, v_cache, tables, lens, block)
         for span in batch.prefills:
             q_span = q[span.start : span.end]
             if span.ctx_blocks is None:
@@ -119,6 +120,14 @@ class LlamaModel:
                     q_span, k_cache, v_cache, span.ctx_blocks, span.ctx_len, block, self.workspace
                 )
         return F.linear(out.view(-1, c.q_size), layer.o_proj)
+
+    def _decode_attention(self, q, k_cache, v_cache, tables: torch.Tensor, lens: torch.Tensor, block: int) -> torch.Tensor:
+        """The Triton kernel on CUDA (per-head tables; shared rows broadcast), the torch reference elsewhere."""
+        if q.is_cuda:
+            if tables.dim() == 2:
+                tables = tables[:, None, :].expand(-1, k_cache.shape[1], -1)
+            return paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, block)
+        return paged_decode_attention(q, k_cache, v_cache, tables, lens, block, self.workspace)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)

@@ -1,0 +1,87 @@
+"""Paged decode attention in Triton: one query token per request over a per-kv-head list of KV
+blocks (GQA: a program serves every query head of one kv head), online softmax in fp32.
+
+Its reference is kernels.attention.paged_decode_attention (the path the CPU runs). Products
+are element-wise and reduced with tl.sum rather than tl.dot: decode is bound by reading K/V,
+any block size works, and the interpreter's bf16 tl.dot bug never applies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lens_ptr,
+    out_ptr,
+    max_blocks,
+    scale,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    B: tl.constexpr,
+):
+    row, head = tl.program_id(0), tl.program_id(1)
+    g = tl.arange(0, GP)[:, None]
+    d = tl.arange(0, D)[None, :]
+    t = tl.arange(0, B)
+    q_offsets = ((row * H + head) * G + g) * D + d
+    q = tl.load(q_ptr + q_offsets, mask=g < G, other=0.0).to(tl.float32)  # [GP, D]
+    length = tl.load(lens_ptr + row)
+    best = tl.full([GP], float("-inf"), tl.float32)
+    total = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for j in range(0, tl.cdiv(length, B)):
+        block = tl.load(tables_ptr + (row * H + head) * max_blocks + j)
+        valid = (j * B + t) < length
+        kv_offsets = ((block * B + t[:, None]) * H + head) * D + d
+        k = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(tl.float32)  # [B, D]
+        v = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, B]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        p = tl.exp(scores - new_best[:, None])
+        rescale = tl.exp(best - new_best)
+        total = total * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        best = new_best
+    tl.store(out_ptr + q_offsets, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=g < G)
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,  # [batch, q_heads, dim]
+    k_cache: torch.Tensor,  # [slots, kv_heads, dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, kv_heads, max_blocks] int64: each kv head's blocks, in position order
+    ctx_lens: torch.Tensor,  # [batch] int64, >= 1
+    block_size: int,
+) -> torch.Tensor:
+    batch, q_heads, dim = q.shape
+    heads = k_cache.shape[1]
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 3 or k_cache.shape[2] != dim or q_heads % heads:
+        raise ValueError(f"decode attention: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if block_tables.dim() != 3 or block_tables.shape[:2] != (batch, heads) or ctx_lens.shape != (batch,):
+        raise ValueError(
+            f"decode attention: block_tables {tuple(block_tables.shape)}, ctx_lens {tuple(ctx_lens.shape)} for q {tuple(q.shape)}"
+        )
+    if block_size & (block_size - 1) or dim & (dim - 1):
+        raise ValueError(f"decode attention kernel: block size {block_size} and head dim {dim} must be powers of two")
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    out = torch.empty_like(q)
+    group = q_heads // heads
+    _decode_kernel[(batch, heads)](
+        q, k_cache, v_cache, tables, ctx_lens, out, tables.shape[2], 1.0 / math.sqrt(dim),
+        H=heads, G=group, GP=triton.next_power_of_2(group), D=dim, B=block_size,
+    )  # fmt: skip
+    return out

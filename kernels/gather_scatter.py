@@ -1,0 +1,91 @@
+"""The recall copy: host pool units ([K|V][kv_head][token][dim], one row per (block, layer)) into
+device cache blocks (slot-major [slot][kv_head][dim]), whole units (SoloHead) or one kv head of
+each (the head-wise baseline)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _check(
+    units: torch.Tensor, unit_index: torch.Tensor, k_cache: torch.Tensor, dst_blocks: torch.Tensor, heads: torch.Tensor | None
+) -> None:
+    if units.dim() != 5 or units.shape[1] != 2 or k_cache.dim() != 3 or k_cache.shape[1:] != (units.shape[2], units.shape[4]):
+        raise ValueError(f"recall: units {tuple(units.shape)} do not fit cache {tuple(k_cache.shape)}")
+    if unit_index.shape != dst_blocks.shape or (heads is not None and heads.shape != dst_blocks.shape):
+        raise ValueError(f"recall: {unit_index.numel()} units for {dst_blocks.numel()} device blocks")
+
+
+def recall_ref(
+    units: torch.Tensor,  # [U, 2, kv_heads, block_size, dim]
+    unit_index: torch.Tensor,  # [n] rows of units
+    k_cache: torch.Tensor,  # [slots, kv_heads, dim]
+    v_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,  # [n] device blocks
+    heads: torch.Tensor | None = None,  # [n] the one kv head to move of each unit; None: all
+) -> None:
+    _check(units, unit_index, k_cache, dst_blocks, heads)
+    _, _, kv_heads, block, dim = units.shape
+    k_blocks, v_blocks = k_cache.view(-1, block, kv_heads, dim), v_cache.view(-1, block, kv_heads, dim)
+    if heads is None:
+        src = units[unit_index]  # [n, 2, kv_heads, block, dim]
+        k_blocks[dst_blocks] = src[:, 0].transpose(1, 2)
+        v_blocks[dst_blocks] = src[:, 1].transpose(1, 2)
+    else:
+        src = units[unit_index, :, heads]  # [n, 2, block, dim]
+        k_blocks[dst_blocks, :, heads] = src[:, 0]
+        v_blocks[dst_blocks, :, heads] = src[:, 1]
+
+
+@triton.jit
+def _recall_kernel(
+    units_ptr, index_ptr, heads_ptr, k_ptr, v_ptr, dst_ptr, H: tl.constexpr, B: tl.constexpr, D: tl.constexpr, PER_HEAD: tl.constexpr
+):
+    i = tl.program_id(0)
+    if PER_HEAD:
+        head = tl.load(heads_ptr + i)
+    else:
+        head = tl.program_id(1)
+    unit = tl.load(index_ptr + i)  # int64: pool offsets pass 2**31
+    dst = tl.load(dst_ptr + i)
+    t = tl.arange(0, B)[:, None]
+    d = tl.arange(0, D)[None, :]
+    src = unit * (2 * H * B * D) + (head * B + t) * D + d
+    out = ((dst * B + t) * H + head) * D + d
+    tl.store(k_ptr + out, tl.load(units_ptr + src))
+    tl.store(v_ptr + out, tl.load(units_ptr + src + H * B * D))
+
+
+def recall_triton(
+    units: torch.Tensor,
+    unit_index: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    heads: torch.Tensor | None = None,
+) -> None:
+    """The same as recall_ref: one program per (unit, kv head) moving a [block, dim] K tile and V tile."""
+    _check(units, unit_index, k_cache, dst_blocks, heads)
+    _, _, kv_heads, block, dim = units.shape
+    if block & (block - 1) or dim & (dim - 1):
+        raise ValueError(f"recall kernel: block size {block} and head dim {dim} must be powers of two")
+    n = unit_index.numel()
+    if n:
+        grid = (n, 1 if heads is not None else kv_heads)
+        head_index = heads if heads is not None else dst_blocks  # unread without PER_HEAD
+        _recall_kernel[grid](
+            units, unit_index, head_index, k_cache, v_cache, dst_blocks, H=kv_heads, B=block, D=dim, PER_HEAD=heads is not None
+        )
+
+
+def recall(
+    units: torch.Tensor,
+    unit_index: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    heads: torch.Tensor | None = None,
+) -> None:
+    (recall_triton if k_cache.is_cuda else recall_ref)(units, unit_index, k_cache, v_cache, dst_blocks, heads)

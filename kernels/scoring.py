@@ -1,0 +1,66 @@
+"""Quest upper bounds of q.k per host block: for kv head h and block i, the sum over h's GQA
+group of query heads and over dims of max(q * kmax, q * kmin), which no key in the block exceeds."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
+    if kmin.dim() != 3 or kmin.shape != kmax.shape or q.dim() != 2 or q.shape[1] != kmin.shape[2] or q.shape[0] % kmin.shape[1]:
+        raise ValueError(f"quest scores: q {tuple(q.shape)}, kmin {tuple(kmin.shape)}, kmax {tuple(kmax.shape)}")
+
+
+def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """q [q_heads, dim]; kmin, kmax [n, kv_heads, dim] -> scores [kv_heads, n] in fp32."""
+    _check(q, kmin, kmax)
+    n, heads, dim = kmin.shape
+    grouped = q.float().view(heads, -1, 1, dim)  # [kv_heads, group, 1, dim]
+    bound = torch.maximum(grouped * kmax.float().transpose(0, 1)[:, None], grouped * kmin.float().transpose(0, 1)[:, None])
+    return bound.sum(dim=(1, 3))
+
+
+@triton.jit
+def _quest_kernel(
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr, n, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, TILE: tl.constexpr
+):
+    head, tile = tl.program_id(0), tl.program_id(1)
+    blocks = tile * TILE + tl.arange(0, TILE)
+    d = tl.arange(0, DP)
+    mask = (blocks[:, None] < n) & (d[None, :] < D)
+    offsets = (blocks[:, None] * H + head) * D + d[None, :]
+    kmin = tl.load(kmin_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    kmax = tl.load(kmax_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    score = tl.zeros([TILE], dtype=tl.float32)
+    for g in tl.static_range(G):
+        qg = tl.load(q_ptr + (head * G + g) * D + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+        score += tl.sum(tl.maximum(qg * kmax, qg * kmin), axis=1)
+    tl.store(out_ptr + head * n + blocks, score, mask=blocks < n)
+
+
+def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, tile: int = 64) -> torch.Tensor:
+    """The same as quest_scores_ref: one program per (kv head, tile of blocks)."""
+    _check(q, kmin, kmax)
+    n, heads, dim = kmin.shape
+    out = torch.empty((heads, n), dtype=torch.float32, device=q.device)
+    if n:
+        grid = (heads, triton.cdiv(n, tile))
+        _quest_kernel[grid](
+            q.contiguous(),
+            kmin.contiguous(),
+            kmax.contiguous(),
+            out,
+            n,
+            H=heads,
+            G=q.shape[0] // heads,
+            D=dim,
+            DP=triton.next_power_of_2(dim),
+            TILE=tile,
+        )
+    return out
+
+
+def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    return quest_scores_triton(q, kmin, kmax) if q.is_cuda else quest_scores_ref(q, kmin, kmax)

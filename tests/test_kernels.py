@@ -1,0 +1,129 @@
+"""Every Triton kernel against its torch reference on small shapes (under TRITON_INTERPRET=1
+without CUDA, see conftest), in fp32 and bf16; the dispatchers pick the reference on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.attention import GatherWorkspace, paged_decode_attention  # noqa: E402
+from kernels.decode_triton import paged_decode_attention_triton  # noqa: E402
+from kernels.gather_scatter import recall, recall_ref, recall_triton  # noqa: E402
+from kernels.scoring import quest_scores, quest_scores_ref, quest_scores_triton  # noqa: E402
+from kernels.summary import block_minmax, block_minmax_ref, block_minmax_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+B, H, HQ, D = 16, 3, 9, 64
+DTYPES = [torch.float32, torch.bfloat16]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_minmax(dtype):
+    k = _randn(5, B, H, D, dtype=dtype)
+    for ours, ref in zip(block_minmax_triton(k), block_minmax_ref(k)):
+        assert ours.dtype == torch.float32 and torch.equal(ours, ref)  # min and max are exact
+    odd = _randn(3, 12, H, 48, dtype=dtype, seed=1)  # sizes that are not powers of two are masked
+    for ours, ref in zip(block_minmax_triton(odd), block_minmax_ref(odd)):
+        assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quest_scores(dtype):
+    q = _randn(HQ, D, dtype=dtype, seed=2)
+    kmin, kmax = block_minmax_ref(_randn(70, B, H, D, dtype=dtype, seed=3))  # 70 blocks: two tiles, the second partial
+    ours, ref = quest_scores_triton(q, kmin, kmax), quest_scores_ref(q, kmin, kmax)
+    assert ours.shape == (H, 70)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-3)
+    assert torch.equal(ours.topk(8, dim=1).indices.sort().values, ref.topk(8, dim=1).indices.sort().values)
+
+
+def _decode_case(dtype: torch.dtype, per_head: bool):
+    slots = 40 * B
+    k_cache, v_cache = _randn(slots, H, D, dtype=dtype, seed=4), _randn(slots, H, D, dtype=dtype, seed=5)
+    q = _randn(3, HQ, D, dtype=dtype, seed=6)
+    generator = torch.Generator().manual_seed(7)
+    shape = (3, H, 7) if per_head else (3, 7)
+    tables = torch.randint(0, 40, shape, generator=generator)
+    lens = torch.tensor([7 * B, 5 * B - 3, 9])  # full, a partial last block, shorter than one block (padded tables)
+    return q, k_cache, v_cache, tables.to(DEVICE), lens.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_paged_decode_attention(dtype, per_head):
+    q, k_cache, v_cache, tables, lens = _decode_case(dtype, per_head)
+    ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, B, GatherWorkspace())
+    kernel_tables = tables if per_head else tables[:, None, :].expand(-1, H, -1)
+    ours = paged_decode_attention_triton(q, k_cache, v_cache, kernel_tables, lens, B)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours.float(), ref, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    if per_head:  # each head really reads its own blocks: the same tables for every head give another answer
+        shared = paged_decode_attention_triton(q, k_cache, v_cache, tables[:, :1].expand(-1, H, -1).contiguous(), lens, B)
+        assert not torch.allclose(shared[:, HQ // H :].float(), ours[:, HQ // H :].float(), atol=TOLERANCE[dtype])
+
+
+def _recall_case(dtype: torch.dtype):
+    units = _randn(12, 2, H, B, D, dtype=dtype, seed=8)
+    caches = [_randn(8 * B, H, D, dtype=dtype, seed=s) for s in (9, 10)]
+    index = torch.tensor([11, 0, 5], device=DEVICE)
+    dst = torch.tensor([6, 2, 3], device=DEVICE)
+    return units, index, caches, dst
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_recall(dtype, per_head):
+    units, index, (k_cache, v_cache), dst = _recall_case(dtype)
+    heads = torch.tensor([2, 0, 1], device=DEVICE) if per_head else None
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    recall_ref(units, index, k_ref, v_ref, dst, heads)
+    recall_triton(units, index, k_cache, v_cache, dst, heads)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # a copy: bit-exact
+    # the reference itself: unit 11's K of head 2 lands in device block 6, slot-major
+    assert torch.equal(k_ref.view(-1, B, H, D)[6, :, 2], units[11, 0, 2])
+    assert torch.equal(v_ref.view(-1, B, H, D)[6, :, 2], units[11, 1, 2])
+    if per_head:  # the other heads of the block are untouched
+        assert not torch.equal(k_ref.view(-1, B, H, D)[6, :, 0], units[11, 0, 0])
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU dispatch")
+def test_dispatchers_run_the_reference_on_cpu(monkeypatch):
+    import kernels.gather_scatter as gather_scatter
+    import kernels.scoring as scoring
+    import kernels.summary as summary
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a Triton kernel was dispatched for CPU tensors")
+
+    for module, name in ((summary, "block_minmax_triton"), (scoring, "quest_scores_triton"), (gather_scatter, "recall_triton")):
+        monkeypatch.setattr(module, name, forbidden)
+    k = _randn(4, B, H, D)
+    kmin, kmax = block_minmax(k)
+    assert quest_scores(_randn(HQ, D), kmin, kmax).shape == (H, 4)
+    units, index, (k_cache, v_cache), dst = _recall_case(torch.float32)
+    recall(units, index, k_cache, v_cache, dst)
+    assert torch.equal(k_cache.view(-1, B, H, D)[3], units[5, 0].transpose(0, 1))
+
+
+def test_shape_errors_are_clear():
+    with pytest.raises(ValueError, match="recall"):
+        recall_ref(_randn(2, 2, H, B, D), torch.tensor([0]), _randn(4 * B, 2, D), _randn(4 * B, 2, D), torch.tensor([0]))
+    with pytest.raises(ValueError, match="quest scores"):
+        quest_scores_ref(_randn(HQ, 32), _randn(3, H, D), _randn(3, H, D))
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_decode_attention_triton(
+            _randn(2, HQ, D),
+            _randn(4 * B, H, D),
+            _randn(4 * B, H, D),
+            torch.zeros(2, 5, dtype=torch.long),
+            torch.ones(2, dtype=torch.long),
+            B,
+        )
