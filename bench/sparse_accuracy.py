@@ -3,7 +3,7 @@
 with the share of dense attention mass the selections keep and the recall transfers per step.
 
     python -m bench.sparse_accuracy [--budgets 256,512,1024,2048] [--modes pulse,headwise]
-        [--lengths 1000,2000,4000,6500] [--trials 2] [--ppl-windows 8] [--json OUT]
+        [--lengths 1000,2000,4000,6500] [--trials 1] [--ppl-windows 4] [--json OUT]
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def main() -> None:
     parser.add_argument("--budgets", default="256,512,1024,2048")
     parser.add_argument("--modes", default="pulse,headwise")
     parser.add_argument("--lengths", default=PasskeyConfig.lengths)
-    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--ppl-context", type=int, default=4096)
-    parser.add_argument("--ppl-windows", type=int, default=8)
+    parser.add_argument("--ppl-windows", type=int, default=4)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     loaded = load_model()
@@ -59,6 +59,7 @@ def main() -> None:
     dense_ppl = None
     rows = [run("dense", None)]
     dense_ppl = rows[0]["perplexity"]
+    print(json.dumps(rows[-1]), flush=True)
     for mode in args.modes.split(","):
         for budget in (int(b) for b in args.budgets.split(",")):
             rows.append(run(mode, budget))

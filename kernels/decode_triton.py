@@ -31,7 +31,7 @@ def _decode_kernel(
     D: tl.constexpr,
     B: tl.constexpr,
 ):
-    row, head = tl.program_id(0), tl.program_id(1)
+    row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     g = tl.arange(0, GP)[:, None]
     d = tl.arange(0, D)[None, :]
     t = tl.arange(0, B)
@@ -41,8 +41,8 @@ def _decode_kernel(
     best = tl.full([GP], float("-inf"), tl.float32)
     total = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    for j in range(0, tl.cdiv(length, B)):
-        block = tl.load(tables_ptr + (row * H + head) * max_blocks + j)
+    for j in range(0, tl.minimum(tl.cdiv(length, B), max_blocks)):  # like the reference: a table holds at most max_blocks
+        block = tl.load(tables_ptr + (row * H + head) * max_blocks + j).to(tl.int64)
         valid = (j * B + t) < length
         kv_offsets = ((block * B + t[:, None]) * H + head) * D + d
         k = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(tl.float32)  # [B, D]
@@ -55,7 +55,27 @@ def _decode_kernel(
         total = total * rescale + tl.sum(p, axis=1)
         acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         best = new_best
+    total = tl.where(total > 0, total, 1.0)  # an empty context gives 0 (as the reference does), not 0/0
     tl.store(out_ptr + q_offsets, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=g < G)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block: int) -> None:
+    if (
+        q.dim() != 3
+        or k_cache.dim() != 3
+        or k_cache.shape != v_cache.shape
+        or k_cache.shape[2] != q.shape[2]
+        or q.shape[1] % k_cache.shape[1]
+    ):
+        raise ValueError(f"decode attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if tables.dim() != 3 or tables.shape[:2] != (q.shape[0], k_cache.shape[1]) or lens.shape != (q.shape[0],):
+        raise ValueError(f"decode attention: block_tables {tuple(tables.shape)}, ctx_lens {tuple(lens.shape)} for q {tuple(q.shape)}")
+    if tables.is_floating_point() or lens.is_floating_point():
+        raise ValueError(f"decode attention: block_tables ({tables.dtype}) and ctx_lens ({lens.dtype}) must be integers")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode attention kernel: the k/v caches must be contiguous (the kernel computes slot offsets)")
+    if block & (block - 1) or q.shape[2] & (q.shape[2] - 1):
+        raise ValueError(f"decode attention kernel: block size {block} and head dim {q.shape[2]} must be powers of two")
 
 
 def paged_decode_attention_triton(
@@ -63,25 +83,18 @@ def paged_decode_attention_triton(
     k_cache: torch.Tensor,  # [slots, kv_heads, dim]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [batch, kv_heads, max_blocks] int64: each kv head's blocks, in position order
-    ctx_lens: torch.Tensor,  # [batch] int64, >= 1
+    ctx_lens: torch.Tensor,  # [batch] int64
     block_size: int,
 ) -> torch.Tensor:
-    batch, q_heads, dim = q.shape
-    heads = k_cache.shape[1]
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 3 or k_cache.shape[2] != dim or q_heads % heads:
-        raise ValueError(f"decode attention: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if block_tables.dim() != 3 or block_tables.shape[:2] != (batch, heads) or ctx_lens.shape != (batch,):
-        raise ValueError(
-            f"decode attention: block_tables {tuple(block_tables.shape)}, ctx_lens {tuple(ctx_lens.shape)} for q {tuple(q.shape)}"
-        )
-    if block_size & (block_size - 1) or dim & (dim - 1):
-        raise ValueError(f"decode attention kernel: block size {block_size} and head dim {dim} must be powers of two")
-    q = q.contiguous()
-    tables = block_tables.contiguous()
+    """Attention of each request's one query over its first ctx_lens positions (at most max_blocks
+    blocks, as in the reference), in q's dtype: one program per (request, kv head)."""
+    _check(q, k_cache, v_cache, block_tables, ctx_lens, block_size)
+    (batch, q_heads, dim), heads = q.shape, k_cache.shape[1]
+    q, tables = q.contiguous(), block_tables.contiguous()
     out = torch.empty_like(q)
     group = q_heads // heads
     _decode_kernel[(batch, heads)](
-        q, k_cache, v_cache, tables, ctx_lens, out, tables.shape[2], 1.0 / math.sqrt(dim),
+        q, k_cache, v_cache, tables, ctx_lens.contiguous(), out, tables.shape[2], 1.0 / math.sqrt(dim),
         H=heads, G=group, GP=triton.next_power_of_2(group), D=dim, B=block_size,
     )  # fmt: skip
     return out

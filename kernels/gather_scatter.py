@@ -10,10 +10,19 @@ import triton.language as tl
 
 
 def _check(
-    units: torch.Tensor, unit_index: torch.Tensor, k_cache: torch.Tensor, dst_blocks: torch.Tensor, heads: torch.Tensor | None
+    units: torch.Tensor,
+    unit_index: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    heads: torch.Tensor | None,
 ) -> None:
     if units.dim() != 5 or units.shape[1] != 2 or k_cache.dim() != 3 or k_cache.shape[1:] != (units.shape[2], units.shape[4]):
         raise ValueError(f"recall: units {tuple(units.shape)} do not fit cache {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"recall: k/v cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if not (units.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("recall: the units and the caches must be contiguous (copies go by computed offsets, in place)")
     if unit_index.shape != dst_blocks.shape or (heads is not None and heads.shape != dst_blocks.shape):
         raise ValueError(f"recall: {unit_index.numel()} units for {dst_blocks.numel()} device blocks")
 
@@ -26,7 +35,8 @@ def recall_ref(
     dst_blocks: torch.Tensor,  # [n] device blocks
     heads: torch.Tensor | None = None,  # [n] the one kv head to move of each unit; None: all
 ) -> None:
-    _check(units, unit_index, k_cache, dst_blocks, heads)
+    """Copies unit unit_index[i] (or only its kv head heads[i]) into device block dst_blocks[i], in place."""
+    _check(units, unit_index, k_cache, v_cache, dst_blocks, heads)
     _, _, kv_heads, block, dim = units.shape
     k_blocks, v_blocks = k_cache.view(-1, block, kv_heads, dim), v_cache.view(-1, block, kv_heads, dim)
     if heads is None:
@@ -48,8 +58,8 @@ def _recall_kernel(
         head = tl.load(heads_ptr + i)
     else:
         head = tl.program_id(1)
-    unit = tl.load(index_ptr + i)  # int64: pool offsets pass 2**31
-    dst = tl.load(dst_ptr + i)
+    unit = tl.load(index_ptr + i).to(tl.int64)  # int64: pool offsets pass 2**31
+    dst = tl.load(dst_ptr + i).to(tl.int64)
     t = tl.arange(0, B)[:, None]
     d = tl.arange(0, D)[None, :]
     src = unit * (2 * H * B * D) + (head * B + t) * D + d
@@ -66,8 +76,9 @@ def recall_triton(
     dst_blocks: torch.Tensor,
     heads: torch.Tensor | None = None,
 ) -> None:
-    """The same as recall_ref: one program per (unit, kv head) moving a [block, dim] K tile and V tile."""
-    _check(units, unit_index, k_cache, dst_blocks, heads)
+    """The same as recall_ref: one program per (unit, kv head) moving a [block, dim] K tile and V tile.
+    On CUDA `units` must be device-addressable (staged on the device, or UVA-mapped pinned memory)."""
+    _check(units, unit_index, k_cache, v_cache, dst_blocks, heads)
     _, _, kv_heads, block, dim = units.shape
     if block & (block - 1) or dim & (dim - 1):
         raise ValueError(f"recall kernel: block size {block} and head dim {dim} must be powers of two")
@@ -88,4 +99,5 @@ def recall(
     dst_blocks: torch.Tensor,
     heads: torch.Tensor | None = None,
 ) -> None:
+    """The kernel when the cache is on CUDA; the reference (torch's row copies) elsewhere."""
     (recall_triton if k_cache.is_cuda else recall_ref)(units, unit_index, k_cache, v_cache, dst_blocks, heads)

@@ -9,7 +9,7 @@ import triton.language as tl
 
 
 def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
-    if kmin.dim() != 3 or kmin.shape != kmax.shape or q.dim() != 2 or q.shape[1] != kmin.shape[2] or q.shape[0] % kmin.shape[1]:
+    if q.dim() != 2 or kmin.dim() != 3 or kmin.shape != kmax.shape or q.shape[1] != kmin.shape[2] or q.shape[0] % kmin.shape[1]:
         raise ValueError(f"quest scores: q {tuple(q.shape)}, kmin {tuple(kmin.shape)}, kmax {tuple(kmax.shape)}")
 
 
@@ -17,7 +17,7 @@ def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
     """q [q_heads, dim]; kmin, kmax [n, kv_heads, dim] -> scores [kv_heads, n] in fp32."""
     _check(q, kmin, kmax)
     n, heads, dim = kmin.shape
-    grouped = q.float().view(heads, -1, 1, dim)  # [kv_heads, group, 1, dim]
+    grouped = q.float().reshape(heads, -1, 1, dim)  # [kv_heads, group, 1, dim]
     bound = torch.maximum(grouped * kmax.float().transpose(0, 1)[:, None], grouped * kmin.float().transpose(0, 1)[:, None])
     return bound.sum(dim=(1, 3))
 
@@ -26,7 +26,7 @@ def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
 def _quest_kernel(
     q_ptr, kmin_ptr, kmax_ptr, out_ptr, n, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, TILE: tl.constexpr
 ):
-    head, tile = tl.program_id(0), tl.program_id(1)
+    head, tile = tl.program_id(0), tl.program_id(1).to(tl.int64)
     blocks = tile * TILE + tl.arange(0, TILE)
     d = tl.arange(0, DP)
     mask = (blocks[:, None] < n) & (d[None, :] < D)
@@ -63,4 +63,5 @@ def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 
 def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """The kernel on CUDA; the reference elsewhere."""
     return quest_scores_triton(q, kmin, kmax) if q.is_cuda else quest_scores_ref(q, kmin, kmax)

@@ -1,4 +1,5 @@
-"""Per-block key summaries (Quest): the element-wise min and max of each block's keys, per kv head."""
+"""Per-block key summaries (Quest): the element-wise min and max of each block's keys, per kv head.
+They stay on the device when a block moves to the host pool, so selection never reads host keys."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import triton.language as tl
 
 
 def _check(k_blocks: torch.Tensor) -> None:
-    if k_blocks.dim() != 4:
-        raise ValueError(f"key blocks must be [n, block_size, kv_heads, dim], got {tuple(k_blocks.shape)}")
+    if k_blocks.dim() != 4 or not k_blocks.is_floating_point():
+        raise ValueError(f"key blocks must be float [n, block_size, kv_heads, dim], got {k_blocks.dtype} {tuple(k_blocks.shape)}")
 
 
 def block_minmax_ref(k_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,20 +21,18 @@ def block_minmax_ref(k_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @triton.jit
 def _minmax_kernel(k_ptr, kmin_ptr, kmax_ptr, B: tl.constexpr, BP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    block, head = tl.program_id(0), tl.program_id(1)
+    block, head = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64: offsets of large caches pass 2**31
     t = tl.arange(0, BP)[:, None]
-    d = tl.arange(0, DP)[None, :]
-    mask = (t < B) & (d < D)
-    offsets = ((block * B + t) * H + head) * D + d
-    low = tl.min(tl.load(k_ptr + offsets, mask=mask, other=float("inf")).to(tl.float32), axis=0)
-    high = tl.max(tl.load(k_ptr + offsets, mask=mask, other=float("-inf")).to(tl.float32), axis=0)
-    out = (block * H + head) * D + tl.arange(0, DP)
-    tl.store(kmin_ptr + out, low, mask=tl.arange(0, DP) < D)
-    tl.store(kmax_ptr + out, high, mask=tl.arange(0, DP) < D)
+    d = tl.arange(0, DP)
+    mask = (t < B) & (d[None, :] < D)
+    k = tl.load(k_ptr + ((block * B + t) * H + head) * D + d[None, :], mask=mask).to(tl.float32)  # [BP, DP], one read
+    out = (block * H + head) * D + d
+    tl.store(kmin_ptr + out, tl.min(tl.where(mask, k, float("inf")), axis=0), mask=d < D)
+    tl.store(kmax_ptr + out, tl.max(tl.where(mask, k, float("-inf")), axis=0), mask=d < D)
 
 
 def block_minmax_triton(k_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same as block_minmax_ref: one program per (block, kv head)."""
+    """The same as block_minmax_ref: one program per (block, kv head) reducing a [block_size, dim] tile."""
     _check(k_blocks)
     k = k_blocks.contiguous()
     n, B, H, D = k.shape
@@ -45,4 +44,5 @@ def block_minmax_triton(k_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def block_minmax(k_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on CUDA; the reference elsewhere (on the CPU torch's reductions beat the interpreter by far)."""
     return block_minmax_triton(k_blocks) if k_blocks.is_cuda else block_minmax_ref(k_blocks)

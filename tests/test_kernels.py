@@ -1,10 +1,16 @@
 """Every Triton kernel against its torch reference on small shapes (under TRITON_INTERPRET=1
-without CUDA, see conftest), in fp32 and bf16; the dispatchers pick the reference on the CPU."""
+without CUDA), in fp32 and bf16; the dispatchers pick the reference on the CPU."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():  # before anything imports triton (conftest does the same for the other tests)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -31,8 +37,20 @@ def test_block_minmax(dtype):
     for ours, ref in zip(block_minmax_triton(k), block_minmax_ref(k)):
         assert ours.dtype == torch.float32 and torch.equal(ours, ref)  # min and max are exact
     odd = _randn(3, 12, H, 48, dtype=dtype, seed=1)  # sizes that are not powers of two are masked
-    for ours, ref in zip(block_minmax_triton(odd), block_minmax_ref(odd)):
-        assert torch.equal(ours, ref)
+    for shift in (-10, 10):  # all keys of one sign: a padded lane that took part would win the min or the max
+        for ours, ref in zip(block_minmax_triton(odd + shift), block_minmax_ref(odd + shift)):
+            assert torch.equal(ours, ref)
+
+
+def test_quest_bound_holds_for_every_key():
+    """The reference is an upper bound of each key's q.k summed over the GQA group, tight for a constant block."""
+    k = _randn(6, B, H, D, seed=11)
+    k[2] = k[2, :1]  # block 2: one key repeated, so min == max == that key
+    q = _randn(HQ, D, seed=12)
+    scores = quest_scores_ref(q, *block_minmax_ref(k))
+    dots = torch.einsum("ibhd,hd->hib", k, q.view(H, HQ // H, D).sum(dim=1))  # [kv_heads, n, tokens]
+    assert (dots.amax(dim=2) <= scores + 1e-4).all()
+    torch.testing.assert_close(scores[:, 2], dots[:, 2, 0], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -68,6 +86,19 @@ def test_paged_decode_attention(dtype, per_head):
     if per_head:  # each head really reads its own blocks: the same tables for every head give another answer
         shared = paged_decode_attention_triton(q, k_cache, v_cache, tables[:, :1].expand(-1, H, -1).contiguous(), lens, B)
         assert not torch.allclose(shared[:, HQ // H :].float(), ours[:, HQ // H :].float(), atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(("block", "heads", "q_heads", "dim"), [(8, 2, 8, 32), (64, 1, 1, 16)])
+def test_paged_decode_attention_geometries(block, heads, q_heads, dim):
+    """Other block sizes and GQA groups (4 and 1); a length past the table is clamped to it as in the reference, 0 gives 0."""
+    k_cache, v_cache = _randn(6 * block, heads, dim, seed=13), _randn(6 * block, heads, dim, seed=14)
+    q = _randn(3, q_heads, dim, seed=15)
+    tables = torch.randint(0, 6, (3, heads, 4), generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    lens = torch.tensor([4 * block + 3, 2 * block + 1, 0], device=DEVICE)
+    ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, GatherWorkspace())
+    ours = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, block)
+    torch.testing.assert_close(ours[:2], ref[:2], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[2], torch.zeros_like(ours[2]))
 
 
 def _recall_case(dtype: torch.dtype):
@@ -107,7 +138,8 @@ def test_dispatchers_run_the_reference_on_cpu(monkeypatch):
         monkeypatch.setattr(module, name, forbidden)
     k = _randn(4, B, H, D)
     kmin, kmax = block_minmax(k)
-    assert quest_scores(_randn(HQ, D), kmin, kmax).shape == (H, 4)
+    assert torch.equal(kmax, k.amax(dim=1))
+    torch.testing.assert_close(quest_scores(q := _randn(HQ, D), kmin, kmax), quest_scores_ref(q, kmin, kmax))
     units, index, (k_cache, v_cache), dst = _recall_case(torch.float32)
     recall(units, index, k_cache, v_cache, dst)
     assert torch.equal(k_cache.view(-1, B, H, D)[3], units[5, 0].transpose(0, 1))
@@ -116,8 +148,13 @@ def test_dispatchers_run_the_reference_on_cpu(monkeypatch):
 def test_shape_errors_are_clear():
     with pytest.raises(ValueError, match="recall"):
         recall_ref(_randn(2, 2, H, B, D), torch.tensor([0]), _randn(4 * B, 2, D), _randn(4 * B, 2, D), torch.tensor([0]))
+    with pytest.raises(ValueError, match="contiguous"):
+        cache = _randn(H, 4 * B, D).transpose(0, 1)
+        recall_triton(_randn(2, 2, H, B, D), torch.tensor([0]), cache, cache, torch.tensor([0]))
     with pytest.raises(ValueError, match="quest scores"):
         quest_scores_ref(_randn(HQ, 32), _randn(3, H, D), _randn(3, H, D))
+    with pytest.raises(ValueError, match="key blocks"):
+        block_minmax_triton(_randn(3, B, D))
     with pytest.raises(ValueError, match="block_tables"):
         paged_decode_attention_triton(
             _randn(2, HQ, D),
