@@ -13,8 +13,10 @@ Prefill of an offloaded request attends its whole context (read back from the ho
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -53,6 +55,9 @@ class OffloadConfig:
     sink: int = 64  # tokens at the start of the context, always attended, kept on device
     recent: int = 256  # recent window kept on device (the partly filled block included)
     budget: int = 1024  # host-tier tokens selected per (request, layer); the hot buffer holds this many
+    # recall layer l+1's blocks on the I/O thread while layer l computes, selected with a predicted
+    # query; the true query's selection then recalls only what the prediction missed
+    layer_ahead: bool = True
     # evals: on each decode step also compute dense attention over the whole context, to report
     # the share of its mass the selection keeps (reads every host block: slow)
     measure_attention_mass: bool = False
@@ -162,20 +167,26 @@ class OffloadedSeq:
 class OffloadManager:
     """The worker's offloaded requests: their states, host blocks and per-step plumbing."""
 
-    def __init__(self, geometry: OffloadGeometry, num_layers: int, host: HostTier, per_head: bool = False, measure_mass: bool = False):
-        self.geometry = geometry
+    def __init__(self, config: OffloadConfig, block_size: int, num_layers: int, host: HostTier, per_head: bool = False):
+        self.geometry = config.geometry(block_size)
+        self.layer_ahead = config.layer_ahead
         self.num_layers = num_layers
         self.view = host.view
         self.allocator = host.allocator
         self.reattach = host.reattach
         self.per_head = per_head  # headwise: one selection per kv head, recalls per (block, head)
-        self.mass = AttentionMass() if measure_mass else None
+        self.mass = AttentionMass() if config.measure_attention_mass else None
+        # the I/O engine of this worker: one thread, so recalls run while the compute thread goes on
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulseinfer-io")
         self.workspace = GatherWorkspace()  # the attention-mass measurement's context gathers
         self.seqs: dict[str, OffloadedSeq] = {}
         self.decoded_rows = 0  # offloaded (request, step) decodes
         self.recalled_units = 0  # (block, layer) units, or (block, layer, head) in headwise mode
         self.recall_transfers = 0  # contiguous host ranges read: K and V of a head are apart
         self.recall_bytes = 0
+        self.prefetched_units = 0  # recalled ahead of their layer, from a predicted query
+        self.corrected_units = 0  # recalled at their layer: the true query's selection added them
+        self.io_wait_seconds = 0.0  # compute blocked on recalls: waiting for a prefetch, or recalling in line
         self.written_blocks = 0
 
     def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
@@ -265,6 +276,9 @@ class OffloadManager:
             "recall_bytes": self.recall_bytes,
             "recall_transfers_per_step": self.recall_transfers / rows,  # per offloaded request and decode step, all layers
             "recall_bytes_per_step": self.recall_bytes / rows,
+            "prefetched_units": self.prefetched_units,
+            "corrected_units": self.corrected_units,
+            "io_wait_seconds": self.io_wait_seconds,
             "attention_mass": self.mass.mean if self.mass else None,
             "attention_mass_min": self.mass.minimum if self.mass and self.mass.count else None,
         }
@@ -281,6 +295,7 @@ class OffloadStep:
         self.chunks = chunks
         self.decode_rows = {s.seq_id: batch.decode_seq_ids.index(s.seq_id) for s in self.seqs if s.seq_id in batch.decode_seq_ids}
         self.by_id = {s.seq_id: s for s in self.seqs}
+        self.pending: dict[int, Future] = {}  # layer -> its recall started ahead
         B = g.block_size
         prefix_buf, prefix_slots, chunk_buf, chunk_tokens, dev_slots, dev_buf = [], [], [], [], [], []
         host_ids, host_buf, summary_targets = [], [], []
@@ -343,47 +358,91 @@ class OffloadStep:
             for i, (seq, index) in enumerate(self.summary_targets):
                 seq.summaries.write(layer, index, k_blocks[i : i + 1])
 
+    @property
+    def prefetching(self) -> bool:
+        return self.manager.layer_ahead and bool(self.decode_rows)
+
+    def prefetch(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> None:
+        """Layer-ahead recall: selects `layer`'s blocks with a predicted query of each decode row
+        and starts recalling the misses on the I/O thread; decode_tables(layer) waits for it."""
+        _, recalls = self._plan(layer, q)
+        if recalls:
+            self.pending[layer] = self.manager.io.submit(self._recall, layer, cache, recalls)
+            self.manager.prefetched_units += len(recalls)
+            self._count(recalls)
+
     def decode_tables(self, layer: int, cache: PagedKVCache, q: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's decode block tables for this layer, offloaded rows selected and recalled
-        ([b, max_blocks], or [b, kv_heads, max_blocks] in headwise mode)."""
+        """The batch's decode block tables for this layer, offloaded rows selected with the true
+        query and recalled ([b, max_blocks], or [b, kv_heads, max_blocks] in headwise mode)."""
+        manager, g = self.manager, self.geometry
+        started = time.perf_counter()
+        self._wait(layer)
+        waited = time.perf_counter() - started
+        selections, recalls = self._plan(layer, q)
+        if recalls:
+            started = time.perf_counter()
+            self._recall(layer, cache, recalls)
+            waited += time.perf_counter() - started
+            self._count(recalls)
+            manager.corrected_units += len(recalls) if manager.layer_ahead and layer > 0 else 0
+        manager.io_wait_seconds += waited
+        if layer == 0:
+            manager.decoded_rows += len(self.decode_rows)
         rows, lens = list(batch.decode_rows), batch.decode_ctx_lens.clone()
-        recalls: list[tuple[int, int, int]] = []  # (host block, group, device block)
-        g, manager = self.geometry, self.manager
+        for seq_id, row in self.decode_rows.items():
+            seq = self.by_id[seq_id]
+            table = seq.decode_row(layer, selections[row])
+            rows[row] = torch.tensor(table if manager.per_head else table[0], dtype=torch.long)
+            lens[row] = (len(table[0]) - 1) * g.block_size + (seq.length - 1) % g.block_size + 1
+            if manager.mass is not None:
+                self._measure(layer, cache, q[row], seq, selections[row])
+        return pad_tables(rows).to(q.device), lens
+
+    def _plan(self, layer: int, q: torch.Tensor) -> tuple[dict[int, list[list[int]]], list[tuple[int, int, int]]]:
+        """Selects each decode row's blocks for query q (one row per decode sequence) and updates
+        its hot buffer: the selections by row, and the misses as (host block, group, device block)."""
+        g, per_head = self.geometry, self.manager.per_head
+        selections, recalls = {}, []
         for seq_id, row in self.decode_rows.items():
             seq = self.by_id[seq_id]
             hosted = g.window_start(seq.length) - g.sink_blocks
             kmin, kmax = seq.summaries.kmin[layer, :hosted], seq.summaries.kmax[layer, :hosted]
-            selected = [[g.sink_blocks + i for i in chosen] for chosen in select_blocks(q[row], kmin, kmax, g.hot_blocks, manager.per_head)]
+            selected = [[g.sink_blocks + i for i in chosen] for chosen in select_blocks(q[row], kmin, kmax, g.hot_blocks, per_head)]
             recalls += [(seq.host_blocks[j - g.sink_blocks], group, dev) for j, group, dev in seq.recall_plan(layer, selected)]
-            table = seq.decode_row(layer, selected)
-            rows[row] = torch.tensor(table if manager.per_head else table[0], dtype=torch.long)
-            lens[row] = (len(table[0]) - 1) * g.block_size + (seq.length - 1) % g.block_size + 1
-            if manager.mass is not None:
-                self._measure(layer, cache, q[row], seq, selected)
-        if layer == 0:
-            manager.decoded_rows += len(self.decode_rows)
-        if recalls:
-            self._recall(layer, cache, recalls)
-        return pad_tables(rows).to(q.device), lens
+            selections[row] = selected
+        return selections, recalls
+
+    def _wait(self, layer: int) -> None:
+        if (future := self.pending.pop(layer, None)) is not None:
+            future.result()
+
+    def finish(self) -> None:
+        """Waits for every recall still in flight (a step that failed midway must not leave the I/O
+        thread writing into blocks the next step reuses)."""
+        for layer in list(self.pending):
+            self._wait(layer)
 
     def _recall(self, layer: int, cache: PagedKVCache, recalls: list[tuple[int, int, int]]) -> None:
         """One gather of every missed unit of the layer from the host pool, scattered into the hot
         buffers: whole (block, layer) units in pulse mode, one kv head of each in headwise mode.
         On CUDA the units are staged on the device first (one copy per unit), then scattered."""
-        view, manager = self.manager.view, self.manager
+        view, per_head = self.manager.view, self.manager.per_head
         k_cache, v_cache = cache.layer(layer)
         host = torch.tensor([h for h, _, _ in recalls], dtype=torch.long)
         dev = torch.tensor([d for _, _, d in recalls], dtype=torch.long, device=k_cache.device)
-        heads = torch.tensor([h for _, h, _ in recalls], dtype=torch.long, device=k_cache.device) if manager.per_head else None
+        heads = torch.tensor([h for _, h, _ in recalls], dtype=torch.long, device=k_cache.device) if per_head else None
         if k_cache.is_cuda:
             units, index = view.read(host, layer, k_cache.device), torch.arange(len(recalls), device=k_cache.device)
         else:
             units, index = view.units, view.unit_rows(host, layer)
         recall(units, index, k_cache, v_cache, dev, heads)
-        unit_bytes = view.unit_bytes // (view.kv_heads if manager.per_head else 1)
+
+    def _count(self, recalls: list[tuple[int, int, int]]) -> None:
+        """Recall statistics, kept on the compute thread (the I/O thread only copies)."""
+        manager, view = self.manager, self.manager.view
         manager.recalled_units += len(recalls)
         manager.recall_transfers += len(recalls) * (2 if manager.per_head else 1)
-        manager.recall_bytes += len(recalls) * unit_bytes
+        manager.recall_bytes += len(recalls) * view.unit_bytes // (view.kv_heads if manager.per_head else 1)
 
     def _measure(self, layer: int, cache: PagedKVCache, q: torch.Tensor, seq: OffloadedSeq, selected: list[list[int]]) -> None:
         """Adds the share of dense attention mass on the attended blocks (evals only)."""

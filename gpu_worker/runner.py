@@ -77,8 +77,9 @@ class ModelRunner:
                 geometry.device_blocks,
                 self.cache.spec.num_blocks,
             )
-        offload = self.config.offload
-        return OffloadManager(geometry, self.model_config.num_layers, host, self.config.mode == "headwise", offload.measure_attention_mass)
+        return OffloadManager(
+            self.config.offload, self.config.block_size, self.model_config.num_layers, host, self.config.mode == "headwise"
+        )
 
     @property
     def cache_spec(self) -> KVCacheSpec:
@@ -97,7 +98,11 @@ class ModelRunner:
             return StepOutcome([], failed)
         batch = build_batch(plan, self.cache.spec.block_size, self.device)
         offload = self.offload.begin(plan, batch) if self.offload is not None else None
-        logits = self.model.forward(batch, self.cache, offload)
+        try:
+            logits = self.model.forward(batch, self.cache, offload)
+        finally:
+            if offload is not None:
+                offload.finish()
         sampled = [c for c in plan.chunks if c.sampling is not None]
         tokens = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
         return StepOutcome([SampledToken(c.seq_id, t) for c, t in zip(sampled, tokens)], failed)

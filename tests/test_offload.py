@@ -69,6 +69,23 @@ def test_full_budget_offload_equals_dense_on_cuda(model, corpus):
     assert run("always", sink=64, recent=128, budget=1024) == run("never")
 
 
+@pytest.mark.parametrize("mode", ["pulse", "headwise"])
+def test_layer_ahead_recall_changes_timing_never_tokens(model, corpus, mode):
+    """At a sparse budget the predicted selection misses blocks; the true query's selection
+    recalls them, so the attended blocks (and tokens) are those of synchronous recall."""
+    prompts = [corpus[:1000], corpus[7000:8300]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for ahead in (False, True):
+        engine = _engine(model, "always", 16384, mode=mode, sink=32, recent=64, budget=128, layer_ahead=ahead)
+        runs[ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
+        _assert_all_freed(engine)
+    assert runs[True][0] == runs[False][0]
+    synchronous, ahead = runs[False][1], runs[True][1]
+    assert synchronous["prefetched_units"] == 0 and ahead["prefetched_units"] > 0
+    assert 0 < ahead["corrected_units"] < ahead["recalled_units"]  # predictions miss some blocks and hit others
+
+
 def test_long_requests_offload_and_short_ones_stay_resident_in_one_batch(model, corpus):
     short = [corpus[100:150], corpus[300:420]]
     long = corpus[5000:8000]  # 3000 tokens: more than the whole device pool

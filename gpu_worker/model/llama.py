@@ -83,6 +83,12 @@ class LlamaModel:
         hidden = self.embed[batch.input_ids]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         for index, layer in enumerate(self.layers):
+            if offload is not None and offload.prefetching and index + 1 < len(self.layers):
+                offload.prefetch(
+                    index + 1,
+                    cache,
+                    self._predict_q(index + 1, hidden[batch.decode_index], cos[batch.decode_index], sin[batch.decode_index]),
+                )
             x = rms_norm(hidden, layer.input_norm, self.config.rms_eps)
             hidden = hidden + self._attention(index, layer, x, cos, sin, batch, cache, offload)
             hidden = hidden + self._mlp(layer, rms_norm(hidden, layer.post_norm, self.config.rms_eps))
@@ -120,6 +126,14 @@ class LlamaModel:
                     q_span, k_cache, v_cache, span.ctx_blocks, span.ctx_len, block, self.workspace
                 )
         return F.linear(out.view(-1, c.q_size), layer.o_proj)
+
+    def _predict_q(self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Layer `index`'s queries from the hidden state entering the layer before it (the residual
+        stream changes little across one layer): what layer-ahead recall selects with."""
+        c, layer = self.config, self.layers[index]
+        bias = layer.qkv_bias[: c.q_size] if layer.qkv_bias is not None else None
+        q = F.linear(rms_norm(hidden, layer.input_norm, c.rms_eps), layer.qkv[: c.q_size], bias)
+        return apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
 
     def _decode_attention(self, q, k_cache, v_cache, tables: torch.Tensor, lens: torch.Tensor, block: int) -> torch.Tensor:
         """The Triton kernel on CUDA (per-head tables; shared rows broadcast), the torch reference elsewhere."""
