@@ -21,13 +21,14 @@ from gpu_worker.model.loader import LoadedModel
 from pulseinfer.engine import Engine, EngineConfig
 from scheduler.request import SamplingParams
 
+# The plain-text passkey test of Landmark Attention (Mohtashami & Jaggi, 2023), parts joined by newlines.
 PASSKEY_INTRO = (
-    "There is an important piece of information hidden inside a lot of irrelevant text. "
-    "Find it and memorize it. I will quiz you about it.\n\n"
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+    "I will quiz you about the important information there."
 )
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,15 @@ def _csv(text: str, kind: type) -> list:
 
 
 def passkey_prompt(engine: Engine, length: int, depth: float, key: int) -> list[int]:
-    """Plain text of about `length` tokens with the key at `depth` of the filler."""
+    """About `length` tokens of filler with the key at `depth` of it."""
     tok = engine.tokenizer
-    fixed = len(tok.encode(PASSKEY_INTRO + PASSKEY_NEEDLE.format(key=key) + PASSKEY_QUESTION))
-    per_filler = len(tok.encode(PASSKEY_FILLER * 20)) / 20
+    needle = PASSKEY_NEEDLE.format(key=key)
+    fixed = len(tok.encode("\n".join([PASSKEY_INTRO, "", needle, "", PASSKEY_QUESTION])))
+    per_filler = len(tok.encode(" ".join([PASSKEY_FILLER] * 20))) / 20
     repeats = max(1, round((length - fixed) / per_filler))
     before = round(repeats * depth)
-    text = PASSKEY_INTRO + PASSKEY_FILLER * before + PASSKEY_NEEDLE.format(key=key) + PASSKEY_FILLER * (repeats - before) + PASSKEY_QUESTION
-    return tok.encode(text)
+    parts = [PASSKEY_INTRO, " ".join([PASSKEY_FILLER] * before), needle, " ".join([PASSKEY_FILLER] * (repeats - before)), PASSKEY_QUESTION]
+    return tok.encode("\n".join(parts))
 
 
 def run_passkey(engine: Engine, config: PasskeyConfig) -> dict:
