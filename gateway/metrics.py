@@ -96,6 +96,16 @@ class GatewayMetrics:
         self.device_blocks_total = Gauge(p + "worker_device_kv_blocks_total", "Device KV blocks of the worker's capped pool.")
         self.host_blocks_used = Gauge(p + "host_kv_blocks_used", "kv_store host KV blocks in use.")
         self.host_blocks_total = Gauge(p + "host_kv_blocks_total", "kv_store host KV blocks.")
+        self.recall = {
+            "recall_units": Counter(
+                p + "recall_units_total", "Units recalled from the host pool: (block, layer), or (block, layer, head) head-wise."
+            ),
+            "recall_transfers": Counter(p + "recall_transfers_total", "Contiguous host ranges read by recalls."),
+            "recall_bytes": Counter(p + "recall_bytes_total", "Bytes recalled from the host pool."),
+            "recall_wait_s": Counter(p + "recall_wait_seconds_total", "Time the worker's compute was blocked on recalls."),
+            "recall_prefetched_units": Counter(p + "recall_prefetched_units_total", "Units recalled a layer ahead from a predicted query."),
+            "recall_corrected_units": Counter(p + "recall_corrected_units_total", "Units the true query added to a layer-ahead selection."),
+        }
         self.allocators_corrupt = Gauge(p + "kv_allocators_corrupt", "Block allocators failing their self-check (0: healthy).")
         self.per_worker = [
             self.offloaded,
@@ -110,6 +120,7 @@ class GatewayMetrics:
             self.decode_tokens,
             self.step_overhead,
             self.preemptions,
+            *self.recall.values(),
         ]
 
     def set_cluster(self, stats) -> None:
@@ -138,9 +149,11 @@ class GatewayMetrics:
             self.offloaded_admissions.set(w.offloaded_admissions, worker=label)
             self.device_blocks_used.set(w.device_blocks_total - w.device_blocks_free, worker=label)
             self.device_blocks_total.set(w.device_blocks_total, worker=label)
+            for name, metric in self.recall.items():
+                metric.set(getattr(w, name), worker=label)
 
     def render(self) -> str:
-        return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))])
+        return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))] + list(self.recall.values()))
 
 
 def _used(total: int, free: int) -> float:

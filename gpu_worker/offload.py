@@ -264,6 +264,18 @@ class OffloadManager:
             return None
         return OffloadStep(self, chunks, batch)
 
+    def recall_totals(self) -> tuple[int, int, int, float, int, int]:
+        """Counters in the order of RecallStats' fields (worker.proto): units, transfers, bytes, io
+        wait, prefetched and corrected units."""
+        return (
+            self.recalled_units,
+            self.recall_transfers,
+            self.recall_bytes,
+            self.io_wait_seconds,
+            self.prefetched_units,
+            self.corrected_units,
+        )
+
     def stats(self) -> dict[str, int | float | None]:
         rows = max(self.decoded_rows, 1)
         return {

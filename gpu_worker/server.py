@@ -39,6 +39,10 @@ def step_identity(worker_id: int, pid: int) -> bytes:
     return f"w{worker_id}-{pid}".encode()
 
 
+def _recall_stats(values: list[float]) -> worker_pb2.RecallStats:
+    return worker_pb2.RecallStats(**{f.name: value for f, value in zip(worker_pb2.RecallStats.DESCRIPTOR.fields, values)})
+
+
 class Worker:
     def __init__(self, config: WorkerServiceConfig, loaded: LoadedModel, host: HostTier | None):
         self.config = config
@@ -60,6 +64,7 @@ class Worker:
 
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         started = time.perf_counter()
+        before = self._recall_totals()
         try:
             outcome = self.runner.execute(plan_from_proto(plan))
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
@@ -70,7 +75,12 @@ class Worker:
             tokens=tokens_to_proto(outcome.tokens),
             forward_s=time.perf_counter() - started,
             failed=[worker_pb2.SequenceError(seq_id=s, error=e) for s, e in outcome.failed.items()],
+            recall=_recall_stats([after - prior for after, prior in zip(self._recall_totals(), before)]),
         )
+
+    def _recall_totals(self) -> tuple:
+        offload = self.runner.offload
+        return offload.recall_totals() if offload is not None else (0, 0, 0, 0.0, 0, 0)
 
     def serve(self, context: zmq.Context, stop: threading.Event) -> None:
         socket = context.socket(zmq.DEALER)

@@ -55,10 +55,12 @@ class WorkerCounters:
     max_decode_batch: int = 0
     last_decode_batch: int = 0
     step_overhead_s: float = 0.0
+    recall: list[float] = field(default_factory=lambda: [0] * 6)  # summed RecallStats, in its field order
 
-    def record(self, plan: StepPlan, round_trip_s: float, forward_s: float) -> None:
+    def record(self, plan: StepPlan, round_trip_s: float, forward_s: float, recall: worker_pb2.RecallStats) -> None:
         decode = sum(1 for c in plan.chunks if len(c.token_ids) == 1)
         self.steps += 1
+        self.recall = [total + value for total, value in zip(self.recall, _recall_fields(recall))]
         self.step_overhead_s += max(0.0, round_trip_s - forward_s)
         if decode:
             self.decode_steps += 1
@@ -195,7 +197,7 @@ class SchedulerCore:
         if worker is None or worker.inflight is None or worker.inflight.step_id != result.step_id:
             return  # a late answer from a worker already given up on
         plan, worker.inflight = worker.inflight, None
-        worker.counters.record(plan, self.clock() - worker.sent_at, result.forward_s)
+        worker.counters.record(plan, self.clock() - worker.sent_at, result.forward_s, result.recall)
         if result.error:
             for chunk in plan.chunks:
                 if (state := self.requests.get(chunk.seq_id)) is not None:
@@ -261,7 +263,22 @@ class SchedulerCore:
             offloaded=sum(1 for s in w.batcher.running if s.offloaded),
             offloaded_admissions=w.batcher.num_offloaded,
             integrity_error=_integrity_error(w.allocator),
+            **dict(zip(RECALL_STATS_FIELDS, c.recall)),
         )
+
+
+RECALL_STATS_FIELDS = (  # WorkerStats' names for RecallStats' fields, in order
+    "recall_units",
+    "recall_transfers",
+    "recall_bytes",
+    "recall_wait_s",
+    "recall_prefetched_units",
+    "recall_corrected_units",
+)
+
+
+def _recall_fields(recall: worker_pb2.RecallStats) -> list[float]:
+    return [getattr(recall, f.name) for f in recall.DESCRIPTOR.fields]
 
 
 def _integrity_error(allocator: BlockAllocator) -> str:

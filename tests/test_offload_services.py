@@ -20,6 +20,7 @@ MODEL = "SmolLM2-135M-Instruct"
 TEXT = " ".join(pydoc_data.topics.topics.values())
 # a device pool of 2048 tokens; an offloaded request holds 1 sink + 4 window + 8 hot blocks of 16 tokens
 FLAGS = ("--workers", "1", "--device-kv-tokens", "2048", "--sink", "16", "--recent", "64", "--budget", "128")
+UNIT_BYTES = 2 * 3 * 16 * 64 * 4  # one (block, layer) recall unit of the default model: K and V, 3 kv heads, fp32
 KV_STORE_PIDS: set[int] = set()  # every kv_store this module's cluster ran: none may leave its segment behind
 
 
@@ -65,6 +66,9 @@ def test_random_requests_aborts_and_disconnects_free_every_block(cluster, client
         done = list(pool.map(lambda job: _one(client, job), jobs))
     assert len(done) == 200
     assert cluster.metric("offloaded_admissions_total", worker="0") > 0  # the small device pool forced offloading
+    assert cluster.metric("recall_units_total", worker="0") > 0  # offloaded decode steps recalled blocks ...
+    assert cluster.metric("recall_bytes_total", worker="0") == cluster.metric("recall_units_total", worker="0") * UNIT_BYTES
+    assert cluster.metric("recall_prefetched_units_total", worker="0") > 0  # ... some of them a layer ahead
 
     def drained() -> bool:
         return (
