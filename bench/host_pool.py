@@ -12,25 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
+from bench.timing import seconds_per_call
 from gpu_worker.model.loader import load_model_meta
 from kv_store.pool import PoolGeometry, SharedPool
 from kv_store.server import KVStore
 from kv_store.view import PoolView
 
 BLOCK = 16
-
-
-def _seconds(fn, repeats: int) -> float:
-    fn()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - started) / repeats
 
 
 def main() -> None:
@@ -66,9 +58,9 @@ def main() -> None:
         results = {
             "unit_bytes": geometry.unit_bytes,
             "bytes_per_round": nbytes,
-            "memcpy_gbps": nbytes / _seconds(lambda: target.copy_(source), args.repeats) / 1e9,
-            "write_back_gbps": nbytes / _seconds(write_back, args.repeats) / 1e9,
-            "read_back_gbps": nbytes / _seconds(read_back, args.repeats) / 1e9,
+            "memcpy_gbps": nbytes / seconds_per_call(lambda: target.copy_(source), args.repeats) / 1e9,
+            "write_back_gbps": nbytes / seconds_per_call(write_back, args.repeats) / 1e9,
+            "read_back_gbps": nbytes / seconds_per_call(read_back, args.repeats) / 1e9,
         }
         results["write_back_over_memcpy"] = results["write_back_gbps"] / results["memcpy_gbps"]
         results["read_back_over_memcpy"] = results["read_back_gbps"] / results["memcpy_gbps"]

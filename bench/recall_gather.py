@@ -17,24 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
+from bench.timing import seconds_per_call
 from gpu_worker.model.loader import load_model_meta
 from kernels.gather_scatter import recall_ref
 from kv_store.view import PoolView
 
 BLOCK = 16
-
-
-def _seconds(fn, repeats: int) -> float:
-    fn()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - started) / repeats
 
 
 def main() -> None:
@@ -88,7 +80,7 @@ def main() -> None:
 
     step_bytes = layers * hot_blocks * view.unit_bytes
     seconds = {
-        name: _seconds(fn, args.repeats)
+        name: seconds_per_call(fn, args.repeats)
         for name, fn in [
             ("contiguous", contiguous_copy),
             ("pulse_gather", pulse_gather),
