@@ -22,11 +22,11 @@ serve: $(STAMP)
 	$(VENV)/bin/pulseinfer serve
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff check --no-cache .
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check --no-cache . && $(VENV)/bin/ruff format --check --no-cache .
 
 bench-dense: $(STAMP)
 	$(PY) -m bench.dense_decode --json bench/results/dense_decode.json

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from kernels.scoring import quest_scores
 from kernels.summary import block_minmax
 
