@@ -96,7 +96,8 @@ class GatewayMetrics:
         self.device_blocks_total = Gauge(p + "worker_device_kv_blocks_total", "Device KV blocks of the worker's capped pool.")
         self.host_blocks_used = Gauge(p + "host_kv_blocks_used", "kv_store host KV blocks in use.")
         self.host_blocks_total = Gauge(p + "host_kv_blocks_total", "kv_store host KV blocks.")
-        self.recall = {
+        # WorkerStats fields copied as they are: recalls, and the offloading admission's inputs
+        self.by_field = {
             "recall_units": Counter(
                 p + "recall_units_total", "Units recalled from the host pool: (block, layer), or (block, layer, head) head-wise."
             ),
@@ -105,6 +106,15 @@ class GatewayMetrics:
             "recall_wait_s": Counter(p + "recall_wait_seconds_total", "Time the worker's compute was blocked on recalls."),
             "recall_prefetched_units": Counter(p + "recall_prefetched_units_total", "Units recalled a layer ahead from a predicted query."),
             "recall_corrected_units": Counter(p + "recall_corrected_units_total", "Units the true query added to a layer-ahead selection."),
+            "recall_io_busy_s": Counter(p + "recall_io_busy_seconds_total", "Time the recall copies took (the link busy)."),
+            "link_bytes_per_s": Gauge(p + "admission_link_bytes_per_second", "Bandwidth the recalls achieved while copying (EMA)."),
+            "recall_bytes_per_offloaded_step": Gauge(
+                p + "admission_recall_bytes_per_offloaded_step", "Recall bytes one offloaded request adds per decode step (EMA)."
+            ),
+            "decode_compute_s": Gauge(p + "admission_decode_compute_seconds", "Predicted compute time of a decode step now."),
+            "held_for_link": Counter(
+                p + "admission_held_for_link_total", "Requests that waited because their recall would not hide behind compute."
+            ),
         }
         self.allocators_corrupt = Gauge(p + "kv_allocators_corrupt", "Block allocators failing their self-check (0: healthy).")
         self.per_worker = [
@@ -120,7 +130,7 @@ class GatewayMetrics:
             self.decode_tokens,
             self.step_overhead,
             self.preemptions,
-            *self.recall.values(),
+            *self.by_field.values(),
         ]
 
     def set_cluster(self, stats) -> None:
@@ -149,11 +159,11 @@ class GatewayMetrics:
             self.offloaded_admissions.set(w.offloaded_admissions, worker=label)
             self.device_blocks_used.set(w.device_blocks_total - w.device_blocks_free, worker=label)
             self.device_blocks_total.set(w.device_blocks_total, worker=label)
-            for name, metric in self.recall.items():
+            for name, metric in self.by_field.items():
                 metric.set(getattr(w, name), worker=label)
 
     def render(self) -> str:
-        return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))] + list(self.recall.values()))
+        return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))] + list(self.by_field.values()))
 
 
 def _used(total: int, free: int) -> float:

@@ -13,6 +13,7 @@ Prefill of an offloaded request attends its whole context (read back from the ho
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from kernels.gather_scatter import recall
 from kv_store.allocator import PoolExhausted
 from kv_store.client import HostPoolLost, KVStoreUnavailable
 from kv_store.view import PoolView
-from scheduler.plan import StepPlan
+from scheduler.plan import RecallStats, StepPlan
 
 
 class HostAllocator(Protocol):
@@ -58,6 +59,8 @@ class OffloadConfig:
     # recall layer l+1's blocks on the I/O thread while layer l computes, selected with a predicted
     # query; the true query's selection then recalls only what the prediction missed
     layer_ahead: bool = True
+    # one gather of all of a layer's missed units and one scatter; off (an ablation): one copy per unit
+    gather: bool = True
     # evals: on each decode step also compute dense attention over the whole context, to report
     # the share of its mass the selection keeps (reads every host block: slow)
     measure_attention_mass: bool = False
@@ -170,6 +173,7 @@ class OffloadManager:
     def __init__(self, config: OffloadConfig, block_size: int, num_layers: int, host: HostTier, per_head: bool = False):
         self.geometry = config.geometry(block_size)
         self.layer_ahead = config.layer_ahead
+        self.gather = config.gather
         self.num_layers = num_layers
         self.view = host.view
         self.allocator = host.allocator
@@ -181,13 +185,14 @@ class OffloadManager:
         self.workspace = GatherWorkspace()  # the attention-mass measurement's context gathers
         self.seqs: dict[str, OffloadedSeq] = {}
         self.decoded_rows = 0  # offloaded (request, step) decodes
-        self.recalled_units = 0  # (block, layer) units, or (block, layer, head) in headwise mode
-        self.recall_transfers = 0  # contiguous host ranges read: K and V of a head are apart
-        self.recall_bytes = 0
-        self.prefetched_units = 0  # recalled ahead of their layer, from a predicted query
-        self.corrected_units = 0  # recalled at their layer: the true query's selection added them
-        self.io_wait_seconds = 0.0  # compute blocked on recalls: waiting for a prefetch, or recalling in line
+        self.recall = RecallStats()  # summed since start; both threads add to it, under the lock
+        self._recall_lock = threading.Lock()
+        self.recall_bytes_by_layer = [0] * num_layers
         self.written_blocks = 0
+
+    def add_recall(self, **counts: float) -> None:
+        with self._recall_lock:
+            self.recall += RecallStats(**counts)
 
     def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
         for seq_id in seq_ids:
@@ -264,33 +269,23 @@ class OffloadManager:
             return None
         return OffloadStep(self, chunks, batch)
 
-    def recall_totals(self) -> tuple[int, int, int, float, int, int]:
-        """Counters in the order of RecallStats' fields (worker.proto): units, transfers, bytes, io
-        wait, prefetched and corrected units."""
-        return (
-            self.recalled_units,
-            self.recall_transfers,
-            self.recall_bytes,
-            self.io_wait_seconds,
-            self.prefetched_units,
-            self.corrected_units,
-        )
-
     def stats(self) -> dict[str, int | float | None]:
-        rows = max(self.decoded_rows, 1)
+        rows, r = max(self.decoded_rows, 1), self.recall
         return {
             "offloaded": len(self.seqs),
             "host_blocks": sum(len(s.host_blocks) for s in self.seqs.values()),
             "written_blocks": self.written_blocks,
             "decoded_rows": self.decoded_rows,
-            "recalled_units": self.recalled_units,
-            "recall_transfers": self.recall_transfers,
-            "recall_bytes": self.recall_bytes,
-            "recall_transfers_per_step": self.recall_transfers / rows,  # per offloaded request and decode step, all layers
-            "recall_bytes_per_step": self.recall_bytes / rows,
-            "prefetched_units": self.prefetched_units,
-            "corrected_units": self.corrected_units,
-            "io_wait_seconds": self.io_wait_seconds,
+            "recalled_units": r.units,
+            "recall_transfers": r.transfers,
+            "recall_bytes": r.bytes,
+            "recall_transfers_per_step": r.transfers / rows,  # per offloaded request and decode step, all layers
+            "recall_bytes_per_step": r.bytes / rows,
+            "recall_bytes_by_layer": list(self.recall_bytes_by_layer),
+            "prefetched_units": r.prefetched_units,
+            "corrected_units": r.corrected_units,
+            "io_wait_seconds": r.io_wait_s,
+            "io_busy_seconds": r.io_busy_s,
             "attention_mass": self.mass.mean if self.mass else None,
             "attention_mass_min": self.mass.minimum if self.mass and self.mass.count else None,
         }
@@ -380,8 +375,8 @@ class OffloadStep:
         _, recalls = self._plan(layer, q)
         if recalls:
             self.pending[layer] = self.manager.io.submit(self._recall, layer, cache, recalls)
-            self.manager.prefetched_units += len(recalls)
-            self._count(recalls)
+            self.manager.add_recall(prefetched_units=len(recalls))
+            self._count(layer, recalls)
 
     def decode_tables(self, layer: int, cache: PagedKVCache, q: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's decode block tables for this layer, offloaded rows selected with the true
@@ -395,9 +390,9 @@ class OffloadStep:
             started = time.perf_counter()
             self._recall(layer, cache, recalls)
             waited += time.perf_counter() - started
-            self._count(recalls)
-            manager.corrected_units += len(recalls) if manager.layer_ahead and layer > 0 else 0
-        manager.io_wait_seconds += waited
+            self._count(layer, recalls)
+            manager.add_recall(corrected_units=len(recalls) if manager.layer_ahead and layer > 0 else 0)
+        manager.add_recall(io_wait_s=waited)
         if layer == 0:
             manager.decoded_rows += len(self.decode_rows)
         rows, lens = list(batch.decode_rows), batch.decode_ctx_lens.clone()
@@ -437,7 +432,14 @@ class OffloadStep:
     def _recall(self, layer: int, cache: PagedKVCache, recalls: list[tuple[int, int, int]]) -> None:
         """One gather of every missed unit of the layer from the host pool, scattered into the hot
         buffers: whole (block, layer) units in pulse mode, one kv head of each in headwise mode.
-        On CUDA the units are staged on the device first (one copy per unit), then scattered."""
+        On CUDA the units are staged on the device first (one copy per unit), then scattered.
+        Without `gather` (the ablation) each unit is its own copy."""
+        started = time.perf_counter()
+        for part in [recalls] if self.manager.gather else [[unit] for unit in recalls]:
+            self._copy(layer, cache, part)
+        self.manager.add_recall(io_busy_s=time.perf_counter() - started)
+
+    def _copy(self, layer: int, cache: PagedKVCache, recalls: list[tuple[int, int, int]]) -> None:
         view, per_head = self.manager.view, self.manager.per_head
         k_cache, v_cache = cache.layer(layer)
         host = torch.tensor([h for h, _, _ in recalls], dtype=torch.long)
@@ -449,12 +451,12 @@ class OffloadStep:
             units, index = view.units, view.unit_rows(host, layer)
         recall(units, index, k_cache, v_cache, dev, heads)
 
-    def _count(self, recalls: list[tuple[int, int, int]]) -> None:
-        """Recall statistics, kept on the compute thread (the I/O thread only copies)."""
+    def _count(self, layer: int, recalls: list[tuple[int, int, int]]) -> None:
+        """Recall statistics, counted on the compute thread (the I/O thread adds only its busy time)."""
         manager, view = self.manager, self.manager.view
-        manager.recalled_units += len(recalls)
-        manager.recall_transfers += len(recalls) * (2 if manager.per_head else 1)
-        manager.recall_bytes += len(recalls) * view.unit_bytes // (view.kv_heads if manager.per_head else 1)
+        size = len(recalls) * view.unit_bytes // (view.kv_heads if manager.per_head else 1)
+        manager.add_recall(units=len(recalls), transfers=len(recalls) * (2 if manager.per_head else 1), bytes=size)
+        manager.recall_bytes_by_layer[layer] += size
 
     def _measure(self, layer: int, cache: PagedKVCache, q: torch.Tensor, seq: OffloadedSeq, selected: list[list[int]]) -> None:
         """Adds the share of dense attention mass on the attended blocks (evals only)."""

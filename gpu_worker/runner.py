@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from gpu_worker.model.loader import LoadedModel
 from gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
 from gpu_worker.sampler import sample
 from gpu_worker.sparse import MODES
-from scheduler.plan import Chunk, SampledToken, StepOutcome, StepPlan
+from scheduler.plan import Chunk, RecallStats, SampledToken, StepOutcome, StepPlan
 
 log = logging.getLogger("gpu_worker")
 
@@ -96,6 +97,7 @@ class ModelRunner:
         plan, failed = self._admit(plan)
         if not plan.chunks:
             return StepOutcome([], failed)
+        started, recalled = time.perf_counter(), self._recalled()
         batch = build_batch(plan, self.cache.spec.block_size, self.device)
         offload = self.offload.begin(plan, batch) if self.offload is not None else None
         try:
@@ -105,7 +107,12 @@ class ModelRunner:
                 offload.finish()
         sampled = [c for c in plan.chunks if c.sampling is not None]
         tokens = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
-        return StepOutcome([SampledToken(c.seq_id, t) for c, t in zip(sampled, tokens)], failed)
+        recall = self._recalled() - recalled
+        compute_s = time.perf_counter() - started - recall.io_wait_s
+        return StepOutcome([SampledToken(c.seq_id, t) for c, t in zip(sampled, tokens)], failed, recall, compute_s)
+
+    def _recalled(self) -> RecallStats:
+        return self.offload.recall if self.offload is not None else RecallStats()
 
     def _admit(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:
         if self.offload is not None:

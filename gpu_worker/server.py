@@ -18,7 +18,7 @@ from gpu_worker.model.loader import LoadedModel
 from gpu_worker.offload import HostTier
 from gpu_worker.runner import ModelRunner, WorkerConfig
 from proto.pulseinfer.v1 import worker_pb2
-from scheduler.wire import plan_from_proto, tokens_to_proto
+from scheduler.wire import plan_from_proto, recall_to_proto, tokens_to_proto
 
 log = logging.getLogger("gpu_worker")
 POLL_MS = 200  # how soon a shutdown signal is noticed while idle
@@ -37,10 +37,6 @@ class WorkerServiceConfig:
 
 def step_identity(worker_id: int, pid: int) -> bytes:
     return f"w{worker_id}-{pid}".encode()
-
-
-def _recall_stats(values: list[float]) -> worker_pb2.RecallStats:
-    return worker_pb2.RecallStats(**{f.name: value for f, value in zip(worker_pb2.RecallStats.DESCRIPTOR.fields, values)})
 
 
 class Worker:
@@ -64,7 +60,6 @@ class Worker:
 
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         started = time.perf_counter()
-        before = self._recall_totals()
         try:
             outcome = self.runner.execute(plan_from_proto(plan))
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
@@ -75,12 +70,9 @@ class Worker:
             tokens=tokens_to_proto(outcome.tokens),
             forward_s=time.perf_counter() - started,
             failed=[worker_pb2.SequenceError(seq_id=s, error=e) for s, e in outcome.failed.items()],
-            recall=_recall_stats([after - prior for after, prior in zip(self._recall_totals(), before)]),
+            recall=recall_to_proto(outcome.recall),
+            compute_s=outcome.compute_s,
         )
-
-    def _recall_totals(self) -> tuple:
-        offload = self.runner.offload
-        return offload.recall_totals() if offload is not None else (0, 0, 0, 0.0, 0, 0)
 
     def serve(self, context: zmq.Context, stop: threading.Event) -> None:
         socket = context.socket(zmq.DEALER)

@@ -20,7 +20,7 @@ from gpu_worker.tokenizer import TextStream
 from kv_store.allocator import BlockAllocator
 from kv_store.view import PoolView
 from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from scheduler.plan import Chunk
+from scheduler.plan import Chunk, StepPlan
 from scheduler.request import FinishReason, SamplingParams, Sequence
 
 
@@ -74,6 +74,7 @@ class Engine:
         self._streams: dict[str, TextStream] = {}
         self._seqs: dict[str, Sequence] = {}
         self._errors: dict[str, str] = {}
+        self.last_plan: StepPlan | None = None  # what the last step ran (the benchmarks time steps by it)
         self.load_seconds = time.perf_counter() - started
 
     def _host_tier(self) -> HostTier:
@@ -94,10 +95,11 @@ class Engine:
 
     def step(self, pick: Pick | None = None) -> list[Completion]:
         """One batched forward; returns the requests that finished in it."""
-        plan = self.batcher.schedule()
+        plan = self.last_plan = self.batcher.schedule()
         if plan is None:
             return []
         outcome = self.runner.execute(plan, pick)
+        self.batcher.observe(plan, outcome.recall, outcome.compute_s)
         finished = self.batcher.commit(plan, outcome.tokens)
         for seq_id, error in outcome.failed.items():
             if (seq := self.batcher.abort(seq_id, FinishReason.ERROR)) is not None:

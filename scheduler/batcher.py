@@ -7,14 +7,18 @@ Pure Python, no I/O: the scheduler process and the in-process engine drive the s
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from kv_store.allocator import BlockAllocator
-from scheduler.plan import Chunk, SampledToken, StepPlan
+from scheduler.admission import LinkModel
+from scheduler.plan import Chunk, RecallStats, SampledToken, StepPlan
 from scheduler.request import FinishReason, SeqStatus, Sequence
 
 OFFLOAD_POLICIES = ("never", "auto", "always")
+
+log = logging.getLogger("scheduler")
 
 
 class QueueFull(RuntimeError):
@@ -30,7 +34,7 @@ class BatcherConfig:
     max_batch_size: int = 64  # sequences decoded together
     prefill_chunk: int = 512  # prefill tokens per step
     max_waiting: int = 1024  # bounded queue: beyond this, new requests are refused
-    # never | auto (when the device pool cannot hold a request) | always (every request, where the
+    # never | auto (IO-adaptive admission, scheduler/admission.py) | always (every request, where the
     # worker has a host pool and its device pool holds an offloaded request's footprint)
     offload: str = "auto"
 
@@ -57,6 +61,9 @@ class Batcher:
         self._step_ids = itertools.count()
         self.num_preemptions = 0
         self.num_offloaded = 0  # admissions as offloaded
+        self.link = LinkModel()
+        self.num_held_for_link = 0  # requests that waited because their recall would not hide behind compute
+        self._held: set[str] = set()
         self.released: list[str] = []  # offloaded requests that ended, for the next plan
 
     # ------------------------------------------------------------ admission
@@ -107,10 +114,15 @@ class Batcher:
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
         while budget > 0 and self.waiting and len(self.running) < self.config.max_batch_size:
-            chunk = self._prefill_chunk(self.waiting[0], budget)
+            seq = self.waiting[0]
+            if not self._place(seq):
+                break
+            chunk = self._prefill_chunk(seq, budget)
             if chunk is None:
                 break
-            seq = self.waiting.popleft()
+            self.num_offloaded += seq.offloaded
+            self._held.discard(seq.seq_id)
+            self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(chunk)
@@ -119,6 +131,10 @@ class Batcher:
             return None
         released, self.released = tuple(self.released), []
         return StepPlan(next(self._step_ids), tuple(chunks), released)
+
+    def observe(self, plan: StepPlan, recall: RecallStats, compute_s: float) -> None:
+        """A step's measurements, for the admission of offloaded requests."""
+        self.link.observe(plan, recall, compute_s)
 
     def commit(self, plan: StepPlan, sampled: list[SampledToken]) -> list[Sequence]:
         """Applies a step's results; returns the sequences that finished in it."""
@@ -152,9 +168,6 @@ class Batcher:
         return chunks
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk | None:
-        if seq.num_cached == 0 and not self.allocator.blocks_of(seq.seq_id):
-            seq.offloaded = self._should_offload(seq)
-            self.num_offloaded += seq.offloaded
         end = min(seq.length, seq.num_cached + budget)
         if not self._grow(seq, end):
             return None
@@ -170,16 +183,52 @@ class Batcher:
             offloaded=seq.offloaded,
         )
 
+    def _place(self, seq: Sequence) -> bool:
+        """Decides whether the request at the head of the queue runs resident or offloaded; False
+        when it must wait because its recall would not hide behind compute (and it cannot be resident)."""
+        seq.offloaded = self._should_offload(seq)
+        if not seq.offloaded or self.config.offload != "auto":
+            return True
+        running = sum(1 for s in self.running if s.offloaded)
+        if running == 0 or self.link.hides(running + 1, len(self.running) + 1):
+            return True
+        if self._whole_blocks(seq) <= self.allocator.num_free:
+            seq.offloaded = False
+            return True
+        if seq.seq_id not in self._held:
+            self._held.add(seq.seq_id)
+            self.num_held_for_link += 1
+            log.info("request %s waits: %d offloaded requests' recall would not hide behind compute", seq.seq_id, running + 1)
+        return False
+
     def _should_offload(self, seq: Sequence) -> bool:
-        """Resident while the device pool holds the whole request; offloaded when it cannot and the
-        request is longer than an offloaded request's fixed footprint."""
+        """Resident while the device pool holds the request; offloaded when it cannot, or (auto) when
+        the waiting requests do not all fit and it is among the longest, which free the most blocks."""
         if not self._can_offload:
             return False
         if self.config.offload == "always":
             return True
+        whole = self._whole_blocks(seq)
+        if whole <= self.limits.offload_blocks:
+            return False  # offloading would not save a block
+        return whole > self.allocator.num_free or seq.seq_id in self._longest_under_pressure()
+
+    def _longest_under_pressure(self) -> set[str]:
+        """The longest waiting requests, just enough of them that the others fit resident in the
+        free device pool when these hold only their offloaded footprint; empty without pressure."""
+        demand = sum(self._whole_blocks(s) for s in self.waiting)
+        chosen: set[str] = set()
+        for seq in sorted(self.waiting, key=self._whole_blocks, reverse=True):
+            if demand <= self.allocator.num_free or self._whole_blocks(seq) <= self.limits.offload_blocks:
+                break
+            demand -= self._whole_blocks(seq) - self.limits.offload_blocks
+            chosen.add(seq.seq_id)
+        return chosen
+
+    def _whole_blocks(self, seq: Sequence) -> int:
+        """Device blocks the request needs to run resident to its end."""
         final = min(len(seq.prompt_ids) + seq.params.max_tokens, self.limits.max_position)
-        whole = -(-final // self.limits.block_size)
-        return whole > self.allocator.num_free and whole > self.limits.offload_blocks
+        return -(-final // self.limits.block_size)
 
     def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
         have = len(self.allocator.blocks_of(seq.seq_id))

@@ -11,14 +11,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from kv_store.allocator import AllocatorCorrupt, BlockAllocator
 from proto.pulseinfer.v1 import generate_pb2, worker_pb2
 from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from scheduler.plan import StepPlan
+from scheduler.plan import RecallStats, StepPlan
 from scheduler.request import FinishReason, Sequence
-from scheduler.wire import params_from_proto, plan_to_proto, tokens_from_proto
+from scheduler.wire import params_from_proto, plan_to_proto, recall_from_proto, tokens_from_proto
 
 Sink = Callable[[generate_pb2.ScheduleResponse], None]
 
@@ -55,12 +55,12 @@ class WorkerCounters:
     max_decode_batch: int = 0
     last_decode_batch: int = 0
     step_overhead_s: float = 0.0
-    recall: list[float] = field(default_factory=lambda: [0] * 6)  # summed RecallStats, in its field order
+    recall: RecallStats = RecallStats()  # summed over steps
 
-    def record(self, plan: StepPlan, round_trip_s: float, forward_s: float, recall: worker_pb2.RecallStats) -> None:
-        decode = sum(1 for c in plan.chunks if len(c.token_ids) == 1)
+    def record(self, plan: StepPlan, round_trip_s: float, forward_s: float, recall: RecallStats) -> None:
+        decode = len(plan.decode_chunks)
         self.steps += 1
-        self.recall = [total + value for total, value in zip(self.recall, _recall_fields(recall))]
+        self.recall += recall
         self.step_overhead_s += max(0.0, round_trip_s - forward_s)
         if decode:
             self.decode_steps += 1
@@ -197,7 +197,9 @@ class SchedulerCore:
         if worker is None or worker.inflight is None or worker.inflight.step_id != result.step_id:
             return  # a late answer from a worker already given up on
         plan, worker.inflight = worker.inflight, None
-        worker.counters.record(plan, self.clock() - worker.sent_at, result.forward_s, result.recall)
+        recall = recall_from_proto(result.recall)
+        worker.counters.record(plan, self.clock() - worker.sent_at, result.forward_s, recall)
+        worker.batcher.observe(plan, recall, result.compute_s)
         if result.error:
             for chunk in plan.chunks:
                 if (state := self.requests.get(chunk.seq_id)) is not None:
@@ -263,7 +265,8 @@ class SchedulerCore:
             offloaded=sum(1 for s in w.batcher.running if s.offloaded),
             offloaded_admissions=w.batcher.num_offloaded,
             integrity_error=_integrity_error(w.allocator),
-            **dict(zip(RECALL_STATS_FIELDS, c.recall)),
+            **dict(zip(RECALL_STATS_FIELDS, astuple(c.recall))),
+            **_admission_stats(w.batcher),
         )
 
 
@@ -274,11 +277,19 @@ RECALL_STATS_FIELDS = (  # WorkerStats' names for RecallStats' fields, in order
     "recall_wait_s",
     "recall_prefetched_units",
     "recall_corrected_units",
+    "recall_io_busy_s",
 )
 
 
-def _recall_fields(recall: worker_pb2.RecallStats) -> list[float]:
-    return [getattr(recall, f.name) for f in recall.DESCRIPTOR.fields]
+def _admission_stats(batcher: Batcher) -> dict[str, float]:
+    """The offloading admission's inputs as it sees them now (0 until measured)."""
+    link = batcher.link
+    return {
+        "link_bytes_per_s": link.bandwidth or 0.0,
+        "recall_bytes_per_offloaded_step": link.row_bytes or 0.0,
+        "decode_compute_s": link.step_compute(max(1, len(batcher.running))) or 0.0,
+        "held_for_link": batcher.num_held_for_link,
+    }
 
 
 def _integrity_error(allocator: BlockAllocator) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,11 @@ class StepPlan:
     chunks: tuple[Chunk, ...]
     released: tuple[str, ...] = ()  # offloaded requests that ended: the worker frees their state first
 
+    @property
+    def decode_chunks(self) -> list[Chunk]:
+        """The chunks that decode one token (the rest prefill)."""
+        return [c for c in self.chunks if c.sampling is not None and len(c.token_ids) == 1]
+
 
 @dataclass(frozen=True)
 class SampledToken:
@@ -46,6 +51,32 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class RecallStats:
+    """What offloaded requests recalled from the host pool: one step's, or summed (worker.proto
+    RecallStats, field for field)."""
+
+    units: int = 0  # (block, layer) units; (block, layer, head) in headwise mode
+    transfers: int = 0  # contiguous host ranges read
+    bytes: int = 0
+    io_wait_s: float = 0.0  # compute blocked on recalls
+    prefetched_units: int = 0  # recalled ahead of their layer from a predicted query
+    corrected_units: int = 0  # recalled at their layer: the prediction missed them
+    io_busy_s: float = 0.0  # time the copies took, wherever they ran: the link's bandwidth is bytes / io_busy_s
+
+    def __add__(self, other: RecallStats) -> RecallStats:
+        return RecallStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def __sub__(self, other: RecallStats) -> RecallStats:
+        return RecallStats(*(a - b for a, b in zip(astuple(self), astuple(other))))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+@dataclass(frozen=True)
 class StepOutcome:
     tokens: list[SampledToken]
     failed: dict[str, str]  # seq_id -> why the worker dropped it from the step (the others ran)
+    recall: RecallStats = RecallStats()  # what the step's offloaded requests recalled
+    compute_s: float = 0.0  # the forward's time, less what it waited on recalls

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from scheduler.plan import Chunk, SampledToken, SamplingSpec, StepPlan
+from scheduler.plan import Chunk, RecallStats, SampledToken, SamplingSpec, StepPlan
 from scheduler.request import SamplingParams
 
 
@@ -41,6 +43,14 @@ def tokens_to_proto(tokens: list[SampledToken]) -> list[worker_pb2.SampledToken]
 
 def tokens_from_proto(tokens) -> list[SampledToken]:
     return [SampledToken(t.seq_id, t.token_id) for t in tokens]
+
+
+def recall_to_proto(recall: RecallStats) -> worker_pb2.RecallStats:
+    return worker_pb2.RecallStats(**asdict(recall))
+
+
+def recall_from_proto(message: worker_pb2.RecallStats) -> RecallStats:
+    return RecallStats(**{name: getattr(message, name) for name in RecallStats.field_names()})
 
 
 def params_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:

@@ -69,6 +69,9 @@ def test_random_requests_aborts_and_disconnects_free_every_block(cluster, client
     assert cluster.metric("recall_units_total", worker="0") > 0  # offloaded decode steps recalled blocks ...
     assert cluster.metric("recall_bytes_total", worker="0") == cluster.metric("recall_units_total", worker="0") * UNIT_BYTES
     assert cluster.metric("recall_prefetched_units_total", worker="0") > 0  # ... some of them a layer ahead
+    assert cluster.metric("recall_io_busy_seconds_total", worker="0") > 0
+    assert cluster.metric("admission_link_bytes_per_second", worker="0") > 0  # the admission measured the link ...
+    assert cluster.metric("admission_recall_bytes_per_offloaded_step", worker="0") > 0  # ... and the recall it predicts
 
     def drained() -> bool:
         return (

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/pulseinfer/v1/worker.proto\x12\rpulseinfer.v1\"]\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\r\"\xa6\x01\n\x05\x43hunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pulseinfer.v1.SamplingSpecH\x00\x88\x01\x01\x12\x11\n\toffloaded\x18\x06 \x01(\x08\x42\x0b\n\t_sampling\"S\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.pulseinfer.v1.Chunk\x12\x10\n\x08released\x18\x03 \x03(\t\"0\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"\xc6\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.pulseinfer.v1.SampledToken\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12,\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x1c.pulseinfer.v1.SequenceError\x12*\n\x06recall\x18\x06 \x01(\x0b\x32\x1a.pulseinfer.v1.RecallStats\"\x84\x01\n\x0bRecallStats\x12\r\n\x05units\x18\x01 \x01(\x04\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x11\n\tio_wait_s\x18\x04 \x01(\x01\x12\x18\n\x10prefetched_units\x18\x05 \x01(\x04\x12\x17\n\x0f\x63orrected_units\x18\x06 \x01(\x04\".\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xcd\x01\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cmax_position\x18\x05 \x01(\r\x12\x13\n\x06\x65os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x16\n\x0eoffload_blocks\x18\t \x01(\rB\t\n\x07_eos_id\"s\n\rWorkerMessage\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.pulseinfer.v1.StepResultH\x00\x12-\n\theartbeat\x18\x02 \x01(\x0b\x32\x18.pulseinfer.v1.HeartbeatH\x00\x42\x06\n\x04kind\"p\n\x10SchedulerMessage\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x17.pulseinfer.v1.StepPlanH\x00\x12+\n\x08shutdown\x18\x02 \x01(\x0b\x32\x17.pulseinfer.v1.ShutdownH\x00\x42\x06\n\x04kind\"\n\n\x08Shutdownb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/pulseinfer/v1/worker.proto\x12\rpulseinfer.v1\"]\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\r\"\xa6\x01\n\x05\x43hunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pulseinfer.v1.SamplingSpecH\x00\x88\x01\x01\x12\x11\n\toffloaded\x18\x06 \x01(\x08\x42\x0b\n\t_sampling\"S\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.pulseinfer.v1.Chunk\x12\x10\n\x08released\x18\x03 \x03(\t\"0\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"\xd9\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.pulseinfer.v1.SampledToken\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12,\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x1c.pulseinfer.v1.SequenceError\x12*\n\x06recall\x18\x06 \x01(\x0b\x32\x1a.pulseinfer.v1.RecallStats\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\"\x97\x01\n\x0bRecallStats\x12\r\n\x05units\x18\x01 \x01(\x04\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x11\n\tio_wait_s\x18\x04 \x01(\x01\x12\x18\n\x10prefetched_units\x18\x05 \x01(\x04\x12\x17\n\x0f\x63orrected_units\x18\x06 \x01(\x04\x12\x11\n\tio_busy_s\x18\x07 \x01(\x01\".\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xcd\x01\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cmax_position\x18\x05 \x01(\r\x12\x13\n\x06\x65os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x16\n\x0eoffload_blocks\x18\t \x01(\rB\t\n\x07_eos_id\"s\n\rWorkerMessage\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.pulseinfer.v1.StepResultH\x00\x12-\n\theartbeat\x18\x02 \x01(\x0b\x32\x18.pulseinfer.v1.HeartbeatH\x00\x42\x06\n\x04kind\"p\n\x10SchedulerMessage\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x17.pulseinfer.v1.StepPlanH\x00\x12+\n\x08shutdown\x18\x02 \x01(\x0b\x32\x17.pulseinfer.v1.ShutdownH\x00\x42\x06\n\x04kind\"\n\n\x08Shutdownb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,17 +40,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLEDTOKEN']._serialized_start=400
   _globals['_SAMPLEDTOKEN']._serialized_end=448
   _globals['_STEPRESULT']._serialized_start=451
-  _globals['_STEPRESULT']._serialized_end=649
-  _globals['_RECALLSTATS']._serialized_start=652
-  _globals['_RECALLSTATS']._serialized_end=784
-  _globals['_SEQUENCEERROR']._serialized_start=786
-  _globals['_SEQUENCEERROR']._serialized_end=832
-  _globals['_HEARTBEAT']._serialized_start=835
-  _globals['_HEARTBEAT']._serialized_end=1040
-  _globals['_WORKERMESSAGE']._serialized_start=1042
-  _globals['_WORKERMESSAGE']._serialized_end=1157
-  _globals['_SCHEDULERMESSAGE']._serialized_start=1159
-  _globals['_SCHEDULERMESSAGE']._serialized_end=1271
-  _globals['_SHUTDOWN']._serialized_start=1273
-  _globals['_SHUTDOWN']._serialized_end=1283
+  _globals['_STEPRESULT']._serialized_end=668
+  _globals['_RECALLSTATS']._serialized_start=671
+  _globals['_RECALLSTATS']._serialized_end=822
+  _globals['_SEQUENCEERROR']._serialized_start=824
+  _globals['_SEQUENCEERROR']._serialized_end=870
+  _globals['_HEARTBEAT']._serialized_start=873
+  _globals['_HEARTBEAT']._serialized_end=1078
+  _globals['_WORKERMESSAGE']._serialized_start=1080
+  _globals['_WORKERMESSAGE']._serialized_end=1195
+  _globals['_SCHEDULERMESSAGE']._serialized_start=1197
+  _globals['_SCHEDULERMESSAGE']._serialized_end=1309
+  _globals['_SHUTDOWN']._serialized_start=1311
+  _globals['_SHUTDOWN']._serialized_end=1321
 # @@protoc_insertion_point(module_scope)

@@ -55,36 +55,40 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "tokens", "forward_s", "error", "failed", "recall")
+    __slots__ = ("step_id", "tokens", "forward_s", "error", "failed", "recall", "compute_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     RECALL_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_s: float
     error: str
     failed: _containers.RepeatedCompositeFieldContainer[SequenceError]
     recall: RecallStats
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ...) -> None: ...
+    compute_s: float
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class RecallStats(_message.Message):
-    __slots__ = ("units", "transfers", "bytes", "io_wait_s", "prefetched_units", "corrected_units")
+    __slots__ = ("units", "transfers", "bytes", "io_wait_s", "prefetched_units", "corrected_units", "io_busy_s")
     UNITS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     IO_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PREFETCHED_UNITS_FIELD_NUMBER: _ClassVar[int]
     CORRECTED_UNITS_FIELD_NUMBER: _ClassVar[int]
+    IO_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     units: int
     transfers: int
     bytes: int
     io_wait_s: float
     prefetched_units: int
     corrected_units: int
-    def __init__(self, units: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., prefetched_units: _Optional[int] = ..., corrected_units: _Optional[int] = ...) -> None: ...
+    io_busy_s: float
+    def __init__(self, units: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., prefetched_units: _Optional[int] = ..., corrected_units: _Optional[int] = ..., io_busy_s: _Optional[float] = ...) -> None: ...
 
 class SequenceError(_message.Message):
     __slots__ = ("seq_id", "error")
