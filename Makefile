@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-sparse-accuracy bench-recall-gather clean proto
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-sparse-accuracy bench-recall-gather bench-decode bench-serve clean proto
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -42,6 +42,13 @@ bench-sparse-accuracy: $(STAMP)
 
 bench-recall-gather: $(STAMP)
 	$(PY) -m bench.recall_gather --json bench/results/recall_gather.json
+
+bench-decode: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(VENV)/bin/pulseinfer bench decode --json bench/results/decode.json --plot bench/results/decode.png
+
+bench-serve: $(STAMP)
+	$(VENV)/bin/pulseinfer bench serve --num-prompts 16 --input-len 2048 --request-rate 0.5 --max-concurrency 8 --json bench/results/serve.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

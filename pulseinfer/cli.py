@@ -95,12 +95,42 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub) -> None:
+    from bench.decode import DecodeBenchConfig
+    from bench.serve import ServeBenchConfig
+
+    p = sub.add_parser("bench", help="benchmarks on the real model")
+    kinds = p.add_subparsers(dest="kind", required=True)
+    decode = kinds.add_parser("decode", help="the same long requests decoded by each mode at the same device memory")
+    add_flags(decode, DecodeBenchConfig)
+    decode.add_argument("--json", type=Path, help="write the results here")
+    decode.add_argument("--plot", type=Path, help="write a PNG of throughput, TPOT and recall bytes per layer here")
+    decode.set_defaults(handler=_bench_decode)
+    serve = kinds.add_parser("serve", help="a load generator over the HTTP API of a running `pulseinfer serve`")
+    add_flags(serve, ServeBenchConfig)
+    serve.add_argument("--json", type=Path, help="write the results here")
+    serve.set_defaults(handler=_bench_serve)
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    from bench.decode import DecodeBenchConfig, main
+
+    return main(from_flags(DecodeBenchConfig, args), args.json, args.plot)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from bench.serve import ServeBenchConfig, main
+
+    return main(from_flags(ServeBenchConfig, args), args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pulseinfer", description="PulseInfer: sparse KV-cache offloading for long-context decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
     _eval_parser(sub)
+    _bench_parser(sub)
     return parser
 
 

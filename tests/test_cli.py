@@ -104,3 +104,29 @@ def test_prompt_longer_than_context(tmp_path):
     result = run_cli("--prompt-file", str(prompt))
     assert result.returncode != 0
     assert "context" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_decode_compares_modes_on_the_same_requests(tmp_path):
+    # every request offloaded (pulse without admission) with a budget covering every host block:
+    # the tokens must be dense's, and the harness must see that
+    out = tmp_path / "decode.json"
+    result = run_cli(
+        *("--requests", "2", "--context", "300-400", "--output-tokens", "4", "--device-kv-tokens", "1024"),
+        *("--sink", "16", "--recent", "64", "--budget", "512", "--modes", "dense,pulse-no-admission", "--json", str(out)),
+        command="bench decode",
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["lengths"] == [300, 400]
+    dense, pulse = report["modes"]
+    assert dense["offloaded_requests"] == 0 and dense["recall_bytes_per_step"] == 0
+    assert pulse["offloaded_requests"] == 2 and pulse["recall_bytes_per_step"] > 0
+    assert pulse["agreement_with_dense"] == 1.0 and all(len(t) == 4 for t in pulse["tokens"])
+    assert dense["decode_tok_s"] > 0 and dense["tpot_p50_s"] > 0 and "pulse-no-admission" in result.stdout
+
+
+def test_bench_decode_rejects_bad_settings():
+    result = run_cli("--modes", "dense,fast", command="bench decode")
+    assert result.returncode == 1 and "--modes takes" in result.stderr
+    result = run_cli("--context", "5000-4000", command="bench decode")
+    assert result.returncode == 1 and "--context" in result.stderr

@@ -173,6 +173,23 @@ BAD_REQUESTS = [
 ]
 
 
+def test_bench_serve_drives_the_http_api(cluster, tmp_path):
+    out = tmp_path / "serve.json"
+    flags = ("--base-url", cluster.base_url, "--api-key", API_KEY, "--num-prompts", "4", "--input-len", "64", "--output-len", "6")
+    load = ("--request-rate", "20", "--max-concurrency", "2", "--json", str(out))
+    result = subprocess.run(
+        [sys.executable, "-m", "pulseinfer.cli", "bench", "serve", *flags, *load],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["completed"] == 4 and report["failed"] == 0 and report["settings"]["model"] == MODEL
+    assert report["output_token_throughput"] == pytest.approx(4 * 6 / report["duration_s"])
+    assert 0 < report["ttft"]["p50_ms"] <= report["e2e"]["p50_ms"] and report["tpot"]["mean_ms"] > 0 and report["itl"]["p99_ms"] > 0
+
+
 @pytest.mark.parametrize(("path", "body", "status"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_input_gets_status_and_error_body(cluster, path, body, status):
     got_status, got = cluster.request(path, body)

@@ -1,0 +1,251 @@
+"""Decode benchmark: the same long requests served by each mode at the same device memory, side by
+side in one run on one loaded model.
+
+    pulseinfer bench decode --requests 16 --context 4000-6000 --output-tokens 64 --device-kv-share 0.25 \\
+        --modes dense,headwise,pulse --json OUT [--plot OUT.png]
+
+Modes: `dense` (every request resident, the batch capped by the device pool), `headwise` (per-kv-head
+selection, recalls synchronous per layer), `pulse` (SoloHead, one gather per layer, layer-ahead recall,
+IO-adaptive admission), and pulse with one feature off: `pulse-no-solohead` (head-wise selection),
+`pulse-no-gather` (one copy per recalled unit), `pulse-no-layer-ahead` (recalls in line at their layer),
+`pulse-no-admission` (every request offloaded, whether or not it fits).
+
+Decode tokens/s counts the steps that only decoded (steps that also prefilled are timed apart), so the
+prefill all modes share does not dilute the ratio; TPOT is each request's time per output token after its
+first, and includes the prefill steps it waited through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_worker.model.loader import LoadedModel, load_model
+from gpu_worker.offload import OffloadConfig
+from gpu_worker.runner import WorkerConfig
+from pulseinfer.engine import Engine, EngineConfig
+from scheduler.batcher import BatcherConfig
+from scheduler.request import SamplingParams
+
+BASELINES = ("dense", "headwise", "pulse")
+ABLATIONS = ("pulse-no-solohead", "pulse-no-gather", "pulse-no-layer-ahead", "pulse-no-admission")
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    requests: int = 16
+    context: str = "4000-6000"  # prompt tokens: one length, or min-max spread evenly over the requests
+    output_tokens: int = 64
+    device_kv_share: float = 0.25  # the device KV pool as a share of the requests' total KV
+    device_kv_tokens: int = 0  # the device KV pool in tokens; overrides --device-kv-share when set
+    modes: str = ",".join(BASELINES)  # any of BASELINES and ABLATIONS
+    budget: int = 1024  # host-tier tokens selected per (request, layer)
+    sink: int = 64
+    recent: int = 256
+    block_size: int = 16
+
+    def lengths(self) -> list[int]:
+        low, _, high = self.context.partition("-")
+        try:
+            low, high = int(low), int(high or low)
+        except ValueError as e:
+            raise ValueError(f"--context must be a length or a range min-max, got {self.context!r}") from e
+        if not 0 < low <= high or self.requests < 1 or self.output_tokens < 1:
+            raise ValueError("--context lengths, --requests and --output-tokens must be positive (min <= max)")
+        step = (high - low) / max(1, self.requests - 1)
+        return [round(low + i * step) for i in range(self.requests)]
+
+    def device_tokens(self) -> int:
+        if self.device_kv_tokens:
+            return self.device_kv_tokens
+        total = sum(length + self.output_tokens for length in self.lengths())
+        return int(total * self.device_kv_share) // self.block_size * self.block_size
+
+    def mode_list(self) -> list[str]:
+        modes = [m.strip() for m in self.modes.split(",") if m.strip()]
+        unknown = [m for m in modes if m not in BASELINES + ABLATIONS]
+        if unknown or not modes:
+            raise ValueError(f"--modes takes {', '.join(BASELINES + ABLATIONS)}; got {self.modes!r}")
+        return modes
+
+
+def engine_config(mode: str, config: DecodeBenchConfig) -> EngineConfig:
+    """One mode as an engine: the decode mode, its offloading policy and which pulse features are on."""
+    selection = "headwise" if mode in ("headwise", "pulse-no-solohead") else mode.split("-")[0]
+    offload = OffloadConfig(
+        sink=config.sink,
+        recent=config.recent,
+        budget=config.budget,
+        layer_ahead=mode not in ("headwise", "pulse-no-layer-ahead"),  # the baseline recalls synchronously
+        gather=mode != "pulse-no-gather",
+    )
+    policy = {"dense": "never", "pulse-no-admission": "always"}.get(mode, "auto")
+    host_tokens = sum(length + config.output_tokens + config.block_size for length in config.lengths())
+    worker = WorkerConfig(mode=selection, device_kv_tokens=config.device_tokens(), block_size=config.block_size, offload=offload)
+    batcher = BatcherConfig(max_batch_size=config.requests, offload=policy)
+    return EngineConfig(worker=worker, batcher=batcher, host_kv_tokens=host_tokens)
+
+
+def prompts(loaded: LoadedModel, lengths: list[int]) -> list[list[int]]:
+    """Prose of Python's documentation, a different passage for each request."""
+    import pydoc_data.topics
+
+    ids = loaded.tokenizer.encode(" ".join(pydoc_data.topics.topics.values()))
+    stride = max(1, (len(ids) - max(lengths)) // len(lengths))
+    return [ids[i * stride : i * stride + n] for i, n in enumerate(lengths)]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_mode(mode: str, config: DecodeBenchConfig, loaded: LoadedModel, requests: list[list[int]]) -> dict:
+    """Serves the requests in one mode; timings per step and per request, recall statistics, tokens."""
+    engine = Engine(engine_config(mode, config), loaded)
+    params = SamplingParams(max_tokens=config.output_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.submit(prompt, params) for prompt in requests]
+    token_times: dict[str, list[float]] = {seq_id: [] for seq_id in ids}
+    tokens: dict[str, list[int]] = {}
+    decode_rows, decode_s, batch_sizes, decode_steps, mixed_s = 0, 0.0, [], 0, 0.0
+    started = time.perf_counter()
+    while engine.batcher.has_work():
+        before = time.perf_counter()
+        finished = engine.step()
+        now = time.perf_counter()
+        plan = engine.last_plan
+        for completion in finished:
+            if completion.error:
+                raise RuntimeError(f"{mode}: request failed: {completion.error}")
+            tokens[completion.seq_id] = completion.token_ids
+        if plan is None:
+            continue
+        for chunk in plan.chunks:
+            if chunk.sampling is not None:
+                token_times[chunk.seq_id].append(now)
+        rows = len(plan.decode_chunks)
+        if rows:
+            decode_steps += 1
+            batch_sizes.append(rows)
+        if rows and rows == len(plan.chunks):
+            decode_rows, decode_s = decode_rows + rows, decode_s + now - before
+        else:
+            mixed_s += now - before
+    wall = time.perf_counter() - started
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
+    stats = engine.selection_stats()
+    recall_bytes = stats.get("recall_bytes", 0)
+    return {
+        "mode": mode,
+        "decode_tok_s": decode_rows / decode_s if decode_s else 0.0,
+        "output_tok_s": sum(len(t) for t in tokens.values()) / wall,  # prefill included
+        "tpot_p50_s": statistics.median(tpot),
+        "tpot_p99_s": _percentile(tpot, 0.99),
+        "mean_decode_batch": statistics.fmean(batch_sizes) if batch_sizes else 0.0,
+        "offloaded_requests": engine.batcher.num_offloaded,
+        "held_for_link": engine.batcher.num_held_for_link,
+        "recall_bytes_per_step": recall_bytes / max(decode_steps, 1),
+        "recall_transfers_per_step": stats.get("recall_transfers", 0) / max(decode_steps, 1),
+        "recall_bytes_by_layer_per_step": [b / max(decode_steps, 1) for b in stats.get("recall_bytes_by_layer", [])],
+        "io_wait_s": stats.get("io_wait_seconds", 0.0),
+        "decode_only_s": decode_s,
+        "prefill_or_mixed_s": mixed_s,
+        "wall_s": wall,
+        "tokens": [tokens[seq_id] for seq_id in ids],
+    }
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of greedy tokens equal to the reference's at the same position."""
+    same = sum(a == b for got, want in zip(tokens, reference) for a, b in zip(got, want))
+    return same / sum(len(want) for want in reference)
+
+
+def ratios(rows: dict[str, dict]) -> dict[str, float]:
+    out = {}
+    for other in ("dense", "headwise"):
+        if "pulse" in rows and other in rows:
+            out[f"pulse_over_{other}_decode_tok_s"] = rows["pulse"]["decode_tok_s"] / rows[other]["decode_tok_s"]
+            out[f"pulse_over_{other}_tpot_p50"] = rows["pulse"]["tpot_p50_s"] / rows[other]["tpot_p50_s"]
+    return out
+
+
+def run(config: DecodeBenchConfig, loaded: LoadedModel | None = None, log=print) -> dict:
+    modes = config.mode_list()
+    loaded = loaded or load_model()
+    requests = prompts(loaded, config.lengths())
+    rows: dict[str, dict] = {}
+    for mode in modes:
+        rows[mode] = run_mode(mode, config, loaded, requests)
+        log(f"{mode}: {rows[mode]['decode_tok_s']:.2f} decode tok/s, batch {rows[mode]['mean_decode_batch']:.1f}")
+    if "dense" in rows:
+        for row in rows.values():
+            row["agreement_with_dense"] = agreement(row["tokens"], rows["dense"]["tokens"])
+    settings = {**dataclasses.asdict(config), "lengths": config.lengths(), "device_kv_tokens": config.device_tokens()}
+    return {"settings": settings, "modes": list(rows.values()), "ratios": ratios(rows)}
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"{'mode':22} {'decode tok/s':>12} {'TPOT p50 ms':>11} {'TPOT p99 ms':>11} {'batch':>6} "
+        f"{'MB/step':>8} {'transfers/step':>14} {'io wait s':>9} {'agree':>6}"
+    ]
+    for r in result["modes"]:
+        lines.append(
+            f"{r['mode']:22} {r['decode_tok_s']:12.2f} {r['tpot_p50_s'] * 1e3:11.0f} {r['tpot_p99_s'] * 1e3:11.0f} "
+            f"{r['mean_decode_batch']:6.1f} {r['recall_bytes_per_step'] / 1e6:8.1f} {r['recall_transfers_per_step']:14.0f} "
+            f"{r['io_wait_s']:9.2f} {r.get('agreement_with_dense', float('nan')):6.3f}"
+        )
+    lines += [f"{name}: {value:.2f}" for name, value in result["ratios"].items()]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Throughput and TPOT per mode, and recall bytes per layer per decode step."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install -e '.[bench]'") from e
+    rows = result["modes"]
+    names = [r["mode"] for r in rows]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5))
+    a.bar(names, [r["decode_tok_s"] for r in rows])
+    a.set_ylabel("decode tokens/s")
+    width = 0.4
+    xs = range(len(rows))
+    b.bar([x - width / 2 for x in xs], [r["tpot_p50_s"] * 1e3 for r in rows], width, label="p50")
+    b.bar([x + width / 2 for x in xs], [r["tpot_p99_s"] * 1e3 for r in rows], width, label="p99")
+    b.set_xticks(list(xs), names)
+    b.set_ylabel("TPOT (ms)")
+    b.legend()
+    for r in rows:
+        if r["recall_bytes_by_layer_per_step"]:
+            c.plot([v / 1e6 for v in r["recall_bytes_by_layer_per_step"]], label=r["mode"])
+    c.set_xlabel("layer")
+    c.set_ylabel("recall MB per decode step")
+    c.legend()
+    for axis in (a, b):
+        axis.tick_params(axis="x", rotation=30)
+    s = result["settings"]
+    fig.suptitle(f"{s['requests']} requests of {s['context']} tokens, {s['output_tokens']} out, device KV {s['device_kv_tokens']} tokens")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(config: DecodeBenchConfig, json_path: Path | None, plot_path: Path | None) -> int:
+    result = run(config)
+    print(table(result))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+    if plot_path is not None:
+        plot(result, plot_path)
+    return 0
