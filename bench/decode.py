@@ -10,9 +10,11 @@ IO-adaptive admission), and pulse with one feature off: `pulse-no-solohead` (hea
 `pulse-no-gather` (one copy per recalled unit), `pulse-no-layer-ahead` (recalls in line at their layer),
 `pulse-no-admission` (every request offloaded, whether or not it fits).
 
-Decode tokens/s counts the steps that only decoded (steps that also prefilled are timed apart), so the
-prefill all modes share does not dilute the ratio; TPOT is each request's time per output token after its
-first, and includes the prefill steps it waited through.
+Steps either prefill or decode, prefill first (SGLang's default scheduling), so each mode decodes as many
+requests at once as its device memory admits. Decode tokens/s is the tokens of decode steps over their
+time; the prefill all modes share is timed apart. TPOT is, per request, the mean time of the decode steps
+that produced its tokens; `tpot_with_stalls` also counts the prefill steps of later requests it waited
+through (its last token's time minus its first's, over the tokens between).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def engine_config(mode: str, config: DecodeBenchConfig) -> EngineConfig:
     policy = {"dense": "never", "pulse-no-admission": "always"}.get(mode, "auto")
     host_tokens = sum(length + config.output_tokens + config.block_size for length in config.lengths())
     worker = WorkerConfig(mode=selection, device_kv_tokens=config.device_tokens(), block_size=config.block_size, offload=offload)
-    batcher = BatcherConfig(max_batch_size=config.requests, offload=policy)
+    batcher = BatcherConfig(max_batch_size=config.requests, offload=policy, mixed_steps=False)
     return EngineConfig(worker=worker, batcher=batcher, host_kv_tokens=host_tokens)
 
 
@@ -110,8 +112,9 @@ def run_mode(mode: str, config: DecodeBenchConfig, loaded: LoadedModel, requests
     params = SamplingParams(max_tokens=config.output_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.submit(prompt, params) for prompt in requests]
     token_times: dict[str, list[float]] = {seq_id: [] for seq_id in ids}
+    decode_time: dict[str, float] = dict.fromkeys(ids, 0.0)  # summed time of the decode steps each request was in
     tokens: dict[str, list[int]] = {}
-    decode_rows, decode_s, batch_sizes, decode_steps, mixed_s = 0, 0.0, [], 0, 0.0
+    decode_rows, decode_s, batch_sizes, prefill_s = 0, 0.0, [], 0.0
     started = time.perf_counter()
     while engine.batcher.has_work():
         before = time.perf_counter()
@@ -127,33 +130,36 @@ def run_mode(mode: str, config: DecodeBenchConfig, loaded: LoadedModel, requests
         for chunk in plan.chunks:
             if chunk.sampling is not None:
                 token_times[chunk.seq_id].append(now)
-        rows = len(plan.decode_chunks)
-        if rows:
-            decode_steps += 1
-            batch_sizes.append(rows)
-        if rows and rows == len(plan.chunks):
-            decode_rows, decode_s = decode_rows + rows, decode_s + now - before
-        else:
-            mixed_s += now - before
+        decoded = plan.decode_chunks
+        if not decoded:
+            prefill_s += now - before
+            continue
+        batch_sizes.append(len(decoded))
+        decode_rows, decode_s = decode_rows + len(decoded), decode_s + now - before
+        for chunk in decoded:
+            decode_time[chunk.seq_id] += now - before
     wall = time.perf_counter() - started
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
+    tpot = [decode_time[seq_id] / (len(tokens[seq_id]) - 1) for seq_id in ids if len(tokens[seq_id]) > 1]
+    stalled = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
+    steps = max(len(batch_sizes), 1)
     stats = engine.selection_stats()
-    recall_bytes = stats.get("recall_bytes", 0)
     return {
         "mode": mode,
         "decode_tok_s": decode_rows / decode_s if decode_s else 0.0,
         "output_tok_s": sum(len(t) for t in tokens.values()) / wall,  # prefill included
         "tpot_p50_s": statistics.median(tpot),
         "tpot_p99_s": _percentile(tpot, 0.99),
+        "tpot_with_stalls_p50_s": statistics.median(stalled),
+        "tpot_with_stalls_p99_s": _percentile(stalled, 0.99),
         "mean_decode_batch": statistics.fmean(batch_sizes) if batch_sizes else 0.0,
         "offloaded_requests": engine.batcher.num_offloaded,
         "held_for_link": engine.batcher.num_held_for_link,
-        "recall_bytes_per_step": recall_bytes / max(decode_steps, 1),
-        "recall_transfers_per_step": stats.get("recall_transfers", 0) / max(decode_steps, 1),
-        "recall_bytes_by_layer_per_step": [b / max(decode_steps, 1) for b in stats.get("recall_bytes_by_layer", [])],
+        "recall_bytes_per_step": stats.get("recall_bytes", 0) / steps,
+        "recall_transfers_per_step": stats.get("recall_transfers", 0) / steps,
+        "recall_bytes_by_layer_per_step": [b / steps for b in stats.get("recall_bytes_by_layer", [])],
         "io_wait_s": stats.get("io_wait_seconds", 0.0),
-        "decode_only_s": decode_s,
-        "prefill_or_mixed_s": mixed_s,
+        "decode_s": decode_s,
+        "prefill_s": prefill_s,
         "wall_s": wall,
         "tokens": [tokens[seq_id] for seq_id in ids],
     }

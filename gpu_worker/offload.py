@@ -137,21 +137,25 @@ class OffloadedSeq:
 
     def _fill(self, hot: OrderedDict[int, int], selected: list[int]) -> list[tuple[int, int]]:
         """Least recently used blocks outside the selection make room for the misses."""
-        chosen = set(selected)
         misses = [b for b in selected if b not in hot]
-        used = set(hot.values())
-        free = [d for d in self.hot_pool if d not in used]
-        for logical in list(hot):
-            if len(free) >= len(misses):
-                break
-            if logical not in chosen:
-                free.append(hot.pop(logical))
+        free = self._free_blocks(hot, set(selected), len(misses)) if misses else []  # none: the steady state
         for logical in selected:
             if logical in hot:
                 hot.move_to_end(logical)
         fills = list(zip(misses, free))
         hot.update(fills)
         return fills
+
+    def _free_blocks(self, hot: OrderedDict[int, int], chosen: set[int], count: int) -> list[int]:
+        """Device blocks for `count` misses: unused hot blocks, then the least recently used ones outside the selection."""
+        used = set(hot.values())
+        free = [d for d in self.hot_pool if d not in used]
+        for logical in list(hot):
+            if len(free) >= count:
+                break
+            if logical not in chosen:
+                free.append(hot.pop(logical))
+        return free
 
     def decode_row(self, layer: int, selected: list[list[int]]) -> list[list[int]]:
         """Device blocks attended at this layer, one row per group, in logical order: sink, selected, window."""

@@ -1,5 +1,8 @@
 """Quest upper bounds of q.k per host block: for kv head h and block i, the sum over h's GQA
-group of query heads and over dims of max(q * kmax, q * kmin), which no key in the block exceeds."""
+group of query heads and over dims of max(q * kmax, q * kmin), which no key in the block exceeds.
+
+Since kmax >= kmin, max(q * kmax, q * kmin) = relu(q) * kmax + min(q, 0) * kmin: summing the
+group's positive and negative parts first turns the bound into two dot products per block."""
 
 from __future__ import annotations
 
@@ -16,10 +19,10 @@ def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
 def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """q [q_heads, dim]; kmin, kmax [n, kv_heads, dim] -> scores [kv_heads, n] in fp32."""
     _check(q, kmin, kmax)
-    n, heads, dim = kmin.shape
-    grouped = q.float().reshape(heads, -1, 1, dim)  # [kv_heads, group, 1, dim]
-    bound = torch.maximum(grouped * kmax.float().transpose(0, 1)[:, None], grouped * kmin.float().transpose(0, 1)[:, None])
-    return bound.sum(dim=(1, 3))
+    heads, dim = kmin.shape[1:]
+    grouped = q.float().reshape(heads, -1, dim)  # [kv_heads, group, dim]
+    positive, negative = grouped.clamp(min=0).sum(dim=1), grouped.clamp(max=0).sum(dim=1)  # [kv_heads, dim]
+    return torch.einsum("hd,nhd->hn", positive, kmax.float()) + torch.einsum("hd,nhd->hn", negative, kmin.float())
 
 
 @triton.jit
@@ -33,10 +36,13 @@ def _quest_kernel(
     offsets = (blocks[:, None] * H + head) * D + d[None, :]
     kmin = tl.load(kmin_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     kmax = tl.load(kmax_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    score = tl.zeros([TILE], dtype=tl.float32)
+    positive = tl.zeros([DP], dtype=tl.float32)
+    negative = tl.zeros([DP], dtype=tl.float32)
     for g in tl.static_range(G):
-        qg = tl.load(q_ptr + (head * G + g) * D + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
-        score += tl.sum(tl.maximum(qg * kmax, qg * kmin), axis=1)
+        qg = tl.load(q_ptr + (head * G + g) * D + d, mask=d < D, other=0.0).to(tl.float32)
+        positive += tl.maximum(qg, 0.0)
+        negative += tl.minimum(qg, 0.0)
+    score = tl.sum(kmax * positive[None, :] + kmin * negative[None, :], axis=1)
     tl.store(out_ptr + head * n + blocks, score, mask=blocks < n)
 
 

@@ -33,11 +33,13 @@ class LinkModel:
 
     def observe(self, plan: StepPlan, recall: RecallStats, compute_s: float) -> None:
         decode = plan.decode_chunks
-        offloaded = sum(c.offloaded for c in decode)
+        offloaded = [c for c in decode if c.offloaded]
         if recall.bytes and recall.io_busy_s > 0:
             self.bandwidth = _ema(self.bandwidth, recall.bytes / recall.io_busy_s)
-        if offloaded:
-            self.row_bytes = _ema(self.row_bytes, recall.bytes / offloaded)
+        # a request's first decode step fills its hot buffers from cold, once: what decides whether
+        # recall hides is the steady state after it
+        if offloaded and all(c.sampling.step > 1 for c in offloaded):
+            self.row_bytes = _ema(self.row_bytes, recall.bytes / len(offloaded))
         if decode and len(decode) == len(plan.chunks):  # prefill chunks would inflate the step
             self.compute_s[len(decode)] = _ema(self.compute_s.get(len(decode)), compute_s)
 

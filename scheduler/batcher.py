@@ -37,6 +37,9 @@ class BatcherConfig:
     # never | auto (IO-adaptive admission, scheduler/admission.py) | always (every request, where the
     # worker has a host pool and its device pool holds an offloaded request's footprint)
     offload: str = "auto"
+    # decode rows ride along with prefill chunks (chunked prefill); off: a step prefills or decodes,
+    # prefill first (SGLang's default), so every admitted request is decoding before decode resumes
+    mixed_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_POLICIES:
@@ -103,7 +106,19 @@ class Batcher:
     # ------------------------------------------------------------ one step
 
     def schedule(self) -> StepPlan | None:
-        chunks = self._decode_chunks()
+        if self.config.mixed_steps:
+            chunks = self._decode_chunks()
+            chunks += self._prefill_chunks()
+        else:
+            chunks = self._prefill_chunks() or self._decode_chunks()
+        if not chunks and not self.released:
+            return None
+        released, self.released = tuple(self.released), []
+        return StepPlan(next(self._step_ids), tuple(chunks), released)
+
+    def _prefill_chunks(self) -> list[Chunk]:
+        """Up to the prefill budget: chunks of running requests still in prefill, then of waiting ones (FCFS)."""
+        chunks = []
         budget = self.config.prefill_chunk
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0:
@@ -127,10 +142,7 @@ class Batcher:
             self.running.append(seq)
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
-        if not chunks and not self.released:
-            return None
-        released, self.released = tuple(self.released), []
-        return StepPlan(next(self._step_ids), tuple(chunks), released)
+        return chunks
 
     def observe(self, plan: StepPlan, recall: RecallStats, compute_s: float) -> None:
         """A step's measurements, for the admission of offloaded requests."""

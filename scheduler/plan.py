@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,13 @@ class RecallStats:
     io_busy_s: float = 0.0  # time the copies took, wherever they ran: the link's bandwidth is bytes / io_busy_s
 
     def __add__(self, other: RecallStats) -> RecallStats:
-        return RecallStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        return RecallStats(*(getattr(self, name) + getattr(other, name) for name in RECALL_FIELDS))
 
     def __sub__(self, other: RecallStats) -> RecallStats:
-        return RecallStats(*(a - b for a, b in zip(astuple(self), astuple(other))))
+        return RecallStats(*(getattr(self, name) - getattr(other, name) for name in RECALL_FIELDS))
 
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+
+RECALL_FIELDS = tuple(f.name for f in fields(RecallStats))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from scheduler.plan import Chunk, RecallStats, SampledToken, SamplingSpec, StepPlan
+from scheduler.plan import RECALL_FIELDS, Chunk, RecallStats, SampledToken, SamplingSpec, StepPlan
 from scheduler.request import SamplingParams
 
 
@@ -50,7 +50,7 @@ def recall_to_proto(recall: RecallStats) -> worker_pb2.RecallStats:
 
 
 def recall_from_proto(message: worker_pb2.RecallStats) -> RecallStats:
-    return RecallStats(**{name: getattr(message, name) for name in RecallStats.field_names()})
+    return RecallStats(**{name: getattr(message, name) for name in RECALL_FIELDS})
 
 
 def params_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:

@@ -29,8 +29,8 @@ def _offloaded(batcher: Batcher) -> dict[str, bool]:
     return {s.seq_id: s.offloaded for s in batcher.running}
 
 
-def _decode_step(offloaded_rows: int, resident_rows: int = 0) -> StepPlan:
-    spec = SamplingSpec(0.0, 1.0, 0, 0, 0)
+def _decode_step(offloaded_rows: int, resident_rows: int = 0, step: int = 5) -> StepPlan:
+    spec = SamplingSpec(0.0, 1.0, 0, 0, step)
     chunks = [Chunk(f"r{i}", (1,), 100, (), spec, offloaded=i < offloaded_rows) for i in range(offloaded_rows + resident_rows)]
     return StepPlan(0, tuple(chunks))
 
@@ -102,3 +102,11 @@ def test_step_compute_is_a_line_through_the_measured_batch_sizes():
     mixed = StepPlan(1, (*_decode_step(0, resident_rows=2).chunks, Chunk("p", (1, 2, 3), 0, (), None)))
     link.observe(mixed, RecallStats(), compute_s=5.0)  # a step with prefill says nothing about decode
     assert abs(link.step_compute(8) - 0.5) < 1e-9
+
+
+def test_the_first_decode_step_of_a_request_does_not_count_as_its_recall_volume():
+    link = LinkModel()
+    link.observe(_decode_step(2, step=1), RecallStats(bytes=10_000_000, io_busy_s=0.01), compute_s=0.1)  # hot buffers fill
+    assert link.row_bytes is None and link.bandwidth == 1e9  # the copy still measures the link
+    link.observe(_decode_step(2, step=2), RecallStats(bytes=20_000, io_busy_s=0.00002), compute_s=0.1)
+    assert link.row_bytes == 10_000
