@@ -96,6 +96,10 @@ class GatewayMetrics:
         self.device_blocks_total = Gauge(p + "worker_device_kv_blocks_total", "Device KV blocks of the worker's capped pool.")
         self.host_blocks_used = Gauge(p + "host_kv_blocks_used", "kv_store host KV blocks in use.")
         self.host_blocks_total = Gauge(p + "host_kv_blocks_total", "kv_store host KV blocks.")
+        self.engine_recalls = Counter(
+            p + "kv_store_engine_recalls_total", "Layer recalls the kv_store's I/O engine completed (CPU workers)."
+        )
+        self.engine_busy = Counter(p + "kv_store_engine_busy_seconds_total", "Time the kv_store's I/O engine spent copying recalls.")
         # WorkerStats fields copied as they are: recalls, and the offloading admission's inputs
         self.by_field = {
             "recall_units": Counter(
@@ -142,6 +146,8 @@ class GatewayMetrics:
         self.host_kv.set(_used(stats.host_blocks_total, stats.host_blocks_free))
         self.host_blocks_used.set(stats.host_blocks_total - stats.host_blocks_free)
         self.host_blocks_total.set(stats.host_blocks_total)
+        self.engine_recalls.set(stats.kv_store_engine_recalls)
+        self.engine_busy.set(stats.kv_store_engine_busy_s)
         self.allocators_corrupt.set(sum(1 for w in stats.workers if w.integrity_error) + bool(stats.host_integrity_error))
         for metric in self.per_worker:
             metric.reset()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import zmq
 
+from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model.loader import load_model
 from gpu_worker.offload import HostTier
 from gpu_worker.server import Worker, WorkerServiceConfig
-from kv_store.client import KVStoreClient
+from kv_store.client import KVStoreClient, RemoteRecall
 from kv_store.view import PoolView
+from proto.pulseinfer.v1.kv_store_pb2 import OpenRecallTarget
 from pulseinfer.flags import parse_config
 from pulseinfer.proc import run_service, setup_logging, stop_on_signals
 
@@ -31,7 +33,22 @@ def main() -> None:
                 view.pin()
             return view
 
-        Worker(config, loaded, HostTier(attach(), kv_store, attach)).serve(context, stop)
+        def open_recall_target(cache: PagedKVCache) -> RemoteRecall:
+            s = cache.shape
+            target = OpenRecallTarget(
+                worker_id=config.worker_id,
+                shm_name=cache.segment,
+                num_layers=s.num_layers,
+                slots=s.slots,
+                kv_heads=s.kv_heads,
+                head_dim=s.head_dim,
+                block_size=s.block_size,
+            )
+            kv_store.open_recall(target)
+            return RemoteRecall(context, config.kv_store, config.worker_id, cache.header, config.kv_store_timeout_s)
+
+        engine = open_recall_target if config.engine_recalls and w.device == "cpu" else None
+        Worker(config, loaded, HostTier(attach(), kv_store, attach, engine)).serve(context, stop)
     finally:
         context.destroy(linger=0)
 

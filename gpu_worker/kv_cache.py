@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.model.config import ModelConfig
+from kv_store.engine import SHM_DIR, CacheShape, map_segment
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,25 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    """K and V per layer as [slots, kv_heads, head_dim]; slot = block * block_size + offset."""
+    """K and V per layer as [slots, kv_heads, head_dim]; slot = block * block_size + offset.
 
-    def __init__(self, config: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device):
+    With `segment` (CPU only) the pool lives in that shared-memory segment, so the kv_store's
+    I/O engine can recall blocks straight into it; `header[0]` is its completion counter."""
+
+    def __init__(self, config: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, segment: str | None = None):
         self.spec = spec
-        shape = (config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim)
-        self.k = _zeroed(shape, dtype, device)
-        self.v = _zeroed(shape, dtype, device)
+        self.shape = CacheShape(config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim, spec.block_size)
+        self.segment = segment
+        if segment is None:
+            shape = (config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim)
+            self.k = _zeroed(shape, dtype, device)
+            self.v = _zeroed(shape, dtype, device)
+            return
+        if device.type != "cpu":
+            raise ValueError("a KV cache in shared memory is for CPU workers (CUDA workers export device buffers instead)")
+        (SHM_DIR / segment).unlink(missing_ok=True)  # left by an earlier process of this pid (a restarted container)
+        self._map = map_segment(segment, self.shape.segment_bytes(dtype), create=True)
+        self.header, self.k, self.v = self.shape.tensors(self._map, dtype)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)
@@ -42,6 +55,11 @@ class PagedKVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
+
+    def close(self) -> None:
+        """Removes the shared segment's name (the memory goes with the last mapping)."""
+        if self.segment is not None:
+            (SHM_DIR / self.segment).unlink(missing_ok=True)
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -29,7 +29,7 @@ from gpu_worker.sparse import AttentionMass, BlockSummaries, select_blocks
 from kernels.attention import GatherWorkspace
 from kernels.gather_scatter import recall
 from kv_store.allocator import PoolExhausted
-from kv_store.client import HostPoolLost, KVStoreUnavailable
+from kv_store.client import HostPoolLost, KVStoreUnavailable, RemoteRecall
 from kv_store.view import PoolView
 from scheduler.plan import RecallStats, StepPlan
 
@@ -49,6 +49,9 @@ class HostTier:
     view: PoolView
     allocator: HostAllocator
     reattach: Callable[[], PoolView] | None = None  # maps a restarted kv_store's new pool; None in-process
+    # opens the worker's (shared-memory) cache as a target of the kv_store's I/O engine, which then
+    # does the recalls; None: the worker's own I/O thread copies from its mapping of the pool
+    recall_engine: Callable[[PagedKVCache], RemoteRecall] | None = None
 
 
 @dataclass(frozen=True)
@@ -174,14 +177,17 @@ class OffloadedSeq:
 class OffloadManager:
     """The worker's offloaded requests: their states, host blocks and per-step plumbing."""
 
-    def __init__(self, config: OffloadConfig, block_size: int, num_layers: int, host: HostTier, per_head: bool = False):
-        self.geometry = config.geometry(block_size)
+    def __init__(self, config: OffloadConfig, cache: PagedKVCache, host: HostTier, per_head: bool = False):
+        self.geometry = config.geometry(cache.spec.block_size)
         self.layer_ahead = config.layer_ahead
         self.gather = config.gather
-        self.num_layers = num_layers
+        self.num_layers = cache.shape.num_layers
         self.view = host.view
         self.allocator = host.allocator
         self.reattach = host.reattach
+        self.cache = cache
+        self.recall_engine = host.recall_engine
+        self.remote = host.recall_engine(cache) if host.recall_engine is not None else None
         self.per_head = per_head  # headwise: one selection per kv head, recalls per (block, head)
         self.mass = AttentionMass() if config.measure_attention_mass else None
         # the I/O engine of this worker: one thread, so recalls run while the compute thread goes on
@@ -191,8 +197,13 @@ class OffloadManager:
         self.decoded_rows = 0  # offloaded (request, step) decodes
         self.recall = RecallStats()  # summed since start; both threads add to it, under the lock
         self._recall_lock = threading.Lock()
-        self.recall_bytes_by_layer = [0] * num_layers
+        self.recall_bytes_by_layer = [0] * self.num_layers
         self.written_blocks = 0
+
+    def close(self) -> None:
+        self.io.shutdown()
+        if self.remote is not None:
+            self.remote.close()
 
     def add_recall(self, **counts: float) -> None:
         with self._recall_lock:
@@ -238,6 +249,9 @@ class OffloadManager:
                 raise
             view, self.view = self.view, self.reattach()
             view.close()
+            if self.remote is not None:
+                self.remote.close()
+                self.remote = self.recall_engine(self.cache)
             if chunk.start_pos != 0:
                 raise
             self._ready(*args)
@@ -444,7 +458,10 @@ class OffloadStep:
         self.manager.add_recall(io_busy_s=time.perf_counter() - started)
 
     def _copy(self, layer: int, cache: PagedKVCache, recalls: list[tuple[int, int, int]]) -> None:
-        view, per_head = self.manager.view, self.manager.per_head
+        view, per_head, remote = self.manager.view, self.manager.per_head, self.manager.remote
+        if remote is not None:  # the kv_store's I/O engine copies into the shared cache
+            remote(layer, [h for h, _, _ in recalls], [d for _, _, d in recalls], [g for _, g, _ in recalls] if per_head else None)
+            return
         k_cache, v_cache = cache.layer(layer)
         host = torch.tensor([h for h, _, _ in recalls], dtype=torch.long)
         dev = torch.tensor([d for _, _, d in recalls], dtype=torch.long, device=k_cache.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from gpu_worker.model.loader import LoadedModel
 from gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
 from gpu_worker.sampler import sample
 from gpu_worker.sparse import MODES
+from kv_store.engine import CACHE_SEGMENT_PREFIX
 from scheduler.plan import Chunk, RecallStats, SampledToken, StepOutcome, StepPlan
 
 log = logging.getLogger("gpu_worker")
@@ -66,8 +68,11 @@ class ModelRunner:
         self.dtype = config.torch_dtype()
         self.model_config = loaded.config
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype)
-        self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device)
-        self.offload = None if host is None or config.mode == "dense" else self._offload_manager(host)
+        offloading = host is not None and config.mode != "dense"
+        # the kv_store's I/O engine recalls into a CPU cache in shared memory
+        segment = f"{CACHE_SEGMENT_PREFIX}{os.getpid()}" if offloading and host.recall_engine is not None else None
+        self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, segment)
+        self.offload = self._offload_manager(host) if offloading else None
 
     def _offload_manager(self, host: HostTier) -> OffloadManager:
         geometry = self.config.offload.geometry(self.config.block_size)
@@ -78,9 +83,12 @@ class ModelRunner:
                 geometry.device_blocks,
                 self.cache.spec.num_blocks,
             )
-        return OffloadManager(
-            self.config.offload, self.config.block_size, self.model_config.num_layers, host, self.config.mode == "headwise"
-        )
+        return OffloadManager(self.config.offload, self.cache, host, self.config.mode == "headwise")
+
+    def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+        self.cache.close()
 
     @property
     def cache_spec(self) -> KVCacheSpec:

@@ -1,13 +1,20 @@
-"""The kv_store control API from a worker (or a probe): blocking ZMQ request/reply."""
+"""The kv_store from a worker (or a probe): the control API (blocking ZMQ request/reply) and
+recalls done by its I/O engine."""
 
 from __future__ import annotations
 
 import os
+import threading
+from array import array
+from typing import TYPE_CHECKING
 
 import zmq
 
 from kv_store.allocator import PoolExhausted
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
+
+if TYPE_CHECKING:  # the control API (probes) must not pay for importing torch
+    import torch
 
 
 class KVStoreUnavailable(RuntimeError):
@@ -16,6 +23,17 @@ class KVStoreUnavailable(RuntimeError):
 
 class HostPoolLost(RuntimeError):
     """The kv_store does not know this worker: it restarted, and the pool this worker mapped is gone."""
+
+
+def io_address(control: str) -> str:
+    """The I/O engine's address, next to the control address: `ipc://PATH` -> `ipc://PATH.io`,
+    `tcp://HOST:PORT` -> `tcp://HOST:PORT+1` (one address to configure, on both sides)."""
+    if control.startswith("ipc://"):
+        return control + ".io"
+    host, sep, port = control.rpartition(":")
+    if not control.startswith("tcp://") or not sep or not port.isdigit():
+        raise ValueError(f"kv_store address must be ipc://PATH or tcp://HOST:PORT, got {control!r}")
+    return f"{host}:{int(port) + 1}"
 
 
 def pid_namespace() -> str:
@@ -69,8 +87,64 @@ class KVStoreClient:
     def release(self, owner: str) -> int:
         return self.call(pb.KVStoreRequest(release=pb.Release(owner=owner))).freed
 
+    def open_recall(self, target: pb.OpenRecallTarget) -> None:
+        self.call(pb.KVStoreRequest(open_recall=target))
+
     def stats(self) -> pb.KVStoreStats:
         return self.call(pb.KVStoreRequest(stats=pb.StatsQuery())).stats
 
     def close(self) -> None:
         self._socket.close()
+
+
+class RemoteRecall:
+    """Recalls into this worker's KV cache (a shared segment the kv_store has opened as a recall
+    target), done by the kv_store's I/O engine. One request at a time: the engine writes the
+    sequence number into the segment's header once the data has landed, then answers."""
+
+    def __init__(self, context: zmq.Context, control: str, worker_id: int, header: torch.Tensor, timeout_s: float):
+        self.worker_id = worker_id
+        self.header = header
+        self.timeout_s = timeout_s
+        self.sequence = int(header[0])
+        self._lock = threading.Lock()  # the I/O thread's prefetches and the compute thread's corrections share the socket
+        self._socket = context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(io_address(control))
+
+    def __call__(self, layer: int, host_blocks: list[int], device_blocks: list[int], heads: list[int] | None = None) -> float:
+        """Copies host blocks (all kv heads, or kv head heads[i] of each) into device blocks of layer
+        `layer`; returns when they have landed, with the engine's copy time."""
+        with self._lock:
+            self.sequence += 1
+            request = pb.RecallRequest(
+                worker_id=self.worker_id,
+                sequence=self.sequence,
+                layer=layer,
+                host_blocks=_int64s(host_blocks),
+                device_blocks=_int64s(device_blocks),
+                heads=_int64s(heads or []),
+            )
+            self._socket.send(request.SerializeToString())
+            done = self._wait(self.sequence)
+        if done.error:
+            raise ValueError(f"kv_store I/O engine: {done.error}")
+        return done.busy_s
+
+    def _wait(self, sequence: int) -> pb.RecallDone:
+        """The answer to `sequence`; answers to earlier requests that timed out are dropped."""
+        while self._socket.poll(int(self.timeout_s * 1000)):
+            done = pb.RecallDone.FromString(self._socket.recv())
+            if done.sequence != sequence:
+                continue
+            if not done.error and int(self.header[0]) != sequence:
+                raise RuntimeError(f"kv_store I/O engine answered recall {sequence} but the cache header says {int(self.header[0])}")
+            return done
+        raise KVStoreUnavailable(f"kv_store I/O engine did not complete recall {sequence} within {self.timeout_s:g} s")
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def _int64s(values: list[int]) -> bytes:
+    return array("q", values).tobytes()

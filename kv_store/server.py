@@ -1,6 +1,8 @@
-"""kv_store process: owns the host KV pool and its block allocator; ZMQ request/reply control.
+"""kv_store process: owns the host KV pool, its block allocator and the I/O engine that recalls
+into CPU workers' caches; ZMQ request/reply control.
 
-KV bytes never pass through the socket: workers map the segment named in PoolLayout.
+KV bytes never pass through a socket: workers map the segment named in PoolLayout, and the
+engine maps each CPU worker's cache segment.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
 import zmq
 from google.protobuf.message import DecodeError
 
 from kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
-from kv_store.client import pid_namespace
+from kv_store.client import io_address, pid_namespace
+from kv_store.engine import SHM_DIR, RecallEngine
 from kv_store.pool import PoolGeometry, SharedPool, pid_alive, remove_stale_segments, segment_name
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
@@ -43,8 +47,9 @@ class RegisteredWorker:
 class KVStore:
     """The control logic, free of sockets: one request in, one response out."""
 
-    def __init__(self, pool: SharedPool):
+    def __init__(self, pool: SharedPool, engine: RecallEngine):
         self.pool = pool
+        self.engine = engine
         self.allocator = BlockAllocator(pool.geometry.num_blocks)
         self.workers: dict[int, RegisteredWorker] = {}
 
@@ -59,6 +64,8 @@ class KVStore:
             return pb.KVStoreResponse(freed=self._release(request.release.owner))
         if kind in ("ping", "stats"):
             return pb.KVStoreResponse(stats=self.stats())
+        if kind == "open_recall":
+            return self._open_recall(request.open_recall)
         return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error="empty request")
 
     def _register(self, request: pb.RegisterWorker) -> None:
@@ -81,6 +88,15 @@ class KVStore:
         worker.owners.add(request.owner)
         return pb.KVStoreResponse(blocks=blocks)
 
+    def _open_recall(self, request: pb.OpenRecallTarget) -> pb.KVStoreResponse:
+        if request.worker_id not in self.workers:
+            return pb.KVStoreResponse(code=pb.KV_STORE_UNKNOWN_WORKER, error=f"worker {request.worker_id} is not registered")
+        try:
+            self.engine.open(request)
+        except (ValueError, OSError) as e:
+            return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error=str(e))
+        return pb.KVStoreResponse()
+
     def _release(self, owner: str) -> int:
         for worker in self.workers.values():
             worker.owners.discard(owner)
@@ -90,6 +106,8 @@ class KVStore:
         """Frees every block a dead (or restarted) worker's requests held."""
         worker = self.workers.pop(worker_id)
         freed = sum(self.allocator.release(owner) for owner in worker.owners)
+        if (segment := self.engine.drop(worker_id)) is not None:  # a worker killed -9 leaves its cache segment behind
+            (SHM_DIR / segment).unlink(missing_ok=True)
         log.warning("worker %d (pid %d) %s: freed %d host blocks of %d requests", worker_id, worker.pid, why, freed, len(worker.owners))
 
     def reap_dead_workers(self) -> None:
@@ -109,7 +127,13 @@ class KVStore:
         except AllocatorCorrupt as e:
             integrity = str(e)
         return pb.KVStoreStats(
-            blocks_total=a.num_blocks, blocks_free=a.num_free, owners=a.num_owners, workers=len(self.workers), integrity_error=integrity
+            blocks_total=a.num_blocks,
+            blocks_free=a.num_free,
+            owners=a.num_owners,
+            workers=len(self.workers),
+            integrity_error=integrity,
+            engine_recalls=self.engine.recalls,
+            engine_busy_s=self.engine.busy_s,
         )
 
 
@@ -120,11 +144,22 @@ def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) 
     context = zmq.Context()
     socket = context.socket(zmq.REP)
     socket.setsockopt(zmq.LINGER, 0)
+    engine = RecallEngine(pool.map, geometry, getattr(torch, config.kv_dtype))
+    engine_ready, engine_stop = threading.Event(), threading.Event()
+    io = threading.Thread(target=engine.serve, args=(context, io_address(config.bind), engine_ready, engine_stop), name="io-engine")
     try:
         socket.bind(config.bind)
-        store = KVStore(pool)
+        io.start()
+        if not engine_ready.wait(10):
+            raise RuntimeError(f"the I/O engine could not bind {io_address(config.bind)}")
+        store = KVStore(pool, engine)
         log.info(
-            "host KV pool %s: %d blocks, %.2f GiB; control on %s", pool.name, geometry.num_blocks, geometry.total_bytes / 2**30, config.bind
+            "host KV pool %s: %d blocks, %.2f GiB; control on %s, I/O engine on %s",
+            pool.name,
+            geometry.num_blocks,
+            geometry.total_bytes / 2**30,
+            config.bind,
+            io_address(config.bind),
         )
         reaped_at = time.monotonic()
         while not stop.is_set():
@@ -140,6 +175,10 @@ def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) 
                 response = pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error=f"bad request: {e}")
             socket.send(response.SerializeToString())
     finally:
+        engine_stop.set()
+        if io.is_alive():
+            io.join()
+        engine.close()
         socket.close()
         context.term()
         pool.close()

@@ -91,6 +91,8 @@ class KVStoreMonitor:
             host_blocks_total=self.last.blocks_total,
             host_blocks_free=self.last.blocks_free,
             host_integrity_error=self.last.integrity_error,
+            kv_store_engine_recalls=self.last.engine_recalls,
+            kv_store_engine_busy_s=self.last.engine_busy_s,
         )
 
     async def run(self) -> None:

@@ -32,6 +32,7 @@ def cluster():
     assert cluster.stop() == 0
     left = [pid for pid in KV_STORE_PIDS if Path(f"/dev/shm/pulseinfer-kv-{pid}").exists()]
     assert left == [], left
+    assert not list(Path("/dev/shm").glob("pulseinfer-cache-*"))  # nor a worker its cache segment
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,7 @@ def test_random_requests_aborts_and_disconnects_free_every_block(cluster, client
     assert cluster.metric("recall_bytes_total", worker="0") == cluster.metric("recall_units_total", worker="0") * UNIT_BYTES
     assert cluster.metric("recall_prefetched_units_total", worker="0") > 0  # ... some of them a layer ahead
     assert cluster.metric("recall_io_busy_seconds_total", worker="0") > 0
+    assert cluster.metric("kv_store_engine_recalls_total") > 0  # the kv_store's I/O engine did the copies
     assert cluster.metric("admission_link_bytes_per_second", worker="0") > 0  # the admission measured the link ...
     assert cluster.metric("admission_recall_bytes_per_offloaded_step", worker="0") > 0  # ... and the recall it predicts
 

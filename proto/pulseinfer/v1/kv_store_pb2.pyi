@@ -48,23 +48,43 @@ class Ping(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class OpenRecallTarget(_message.Message):
+    __slots__ = ("worker_id", "shm_name", "num_layers", "slots", "kv_heads", "head_dim", "block_size")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    shm_name: str
+    num_layers: int
+    slots: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    def __init__(self, worker_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., slots: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
 class StatsQuery(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class KVStoreRequest(_message.Message):
-    __slots__ = ("register", "allocate", "release", "ping", "stats")
+    __slots__ = ("register", "allocate", "release", "ping", "stats", "open_recall")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_RECALL_FIELD_NUMBER: _ClassVar[int]
     register: RegisterWorker
     allocate: Allocate
     release: Release
     ping: Ping
     stats: StatsQuery
-    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ...) -> None: ...
+    open_recall: OpenRecallTarget
+    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ..., open_recall: _Optional[_Union[OpenRecallTarget, _Mapping]] = ...) -> None: ...
 
 class PoolLayout(_message.Message):
     __slots__ = ("shm_name", "num_blocks", "unit_bytes", "num_layers")
@@ -79,18 +99,22 @@ class PoolLayout(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., unit_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class KVStoreStats(_message.Message):
-    __slots__ = ("blocks_total", "blocks_free", "owners", "workers", "integrity_error")
+    __slots__ = ("blocks_total", "blocks_free", "owners", "workers", "integrity_error", "engine_recalls", "engine_busy_s")
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_RECALLS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     blocks_total: int
     blocks_free: int
     owners: int
     workers: int
     integrity_error: str
-    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ..., integrity_error: _Optional[str] = ...) -> None: ...
+    engine_recalls: int
+    engine_busy_s: float
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ..., integrity_error: _Optional[str] = ..., engine_recalls: _Optional[int] = ..., engine_busy_s: _Optional[float] = ...) -> None: ...
 
 class KVStoreResponse(_message.Message):
     __slots__ = ("code", "error", "blocks", "freed", "layout", "stats")
@@ -107,3 +131,29 @@ class KVStoreResponse(_message.Message):
     layout: PoolLayout
     stats: KVStoreStats
     def __init__(self, code: _Optional[_Union[KVStoreCode, str]] = ..., error: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., freed: _Optional[int] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., stats: _Optional[_Union[KVStoreStats, _Mapping]] = ...) -> None: ...
+
+class RecallRequest(_message.Message):
+    __slots__ = ("worker_id", "sequence", "layer", "host_blocks", "device_blocks", "heads")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    sequence: int
+    layer: int
+    host_blocks: bytes
+    device_blocks: bytes
+    heads: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., sequence: _Optional[int] = ..., layer: _Optional[int] = ..., host_blocks: _Optional[bytes] = ..., device_blocks: _Optional[bytes] = ..., heads: _Optional[bytes] = ...) -> None: ...
+
+class RecallDone(_message.Message):
+    __slots__ = ("sequence", "error", "busy_s")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    error: str
+    busy_s: float
+    def __init__(self, sequence: _Optional[int] = ..., error: _Optional[str] = ..., busy_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,179 @@
+"""The gather-scatter I/O engine of the kv_store process (CPU workers).
+
+A CPU worker keeps its KV cache in a shared-memory segment and registers it here as a recall
+target. Per layer of a decode step the worker sends one RecallRequest (all of the batch's
+missed blocks); the engine, on its own thread and core, gathers those units from the pool and
+scatters them into the worker's cache, writes the request's sequence number into the
+segment's header, then wakes the worker with a RecallDone (the worker blocks on the socket,
+so an idle engine and an idle worker spin on nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+from google.protobuf.message import DecodeError
+
+from kernels.gather_scatter import recall
+from kv_store.pool import SHM_DIR, PoolGeometry
+from proto.pulseinfer.v1 import kv_store_pb2 as pb
+
+log = logging.getLogger("kv_store")
+POLL_MS = 200  # how soon a shutdown signal is noticed
+HEADER_BYTES = 4096  # int64 [0]: sequence of the last completed recall; a page, so K starts aligned
+CACHE_SEGMENT_PREFIX = "pulseinfer-cache-"  # + the worker's pid
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    slots: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+
+    def segment_bytes(self, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return HEADER_BYTES + 2 * self.num_layers * self.slots * self.kv_heads * self.head_dim * element
+
+    def tensors(self, buffer: mmap.mmap, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(header, k, v) over a cache segment; k and v: [num_layers, slots, kv_heads, head_dim]."""
+        header = torch.frombuffer(buffer, dtype=torch.int64, count=HEADER_BYTES // 8)
+        kv = torch.frombuffer(buffer, dtype=dtype, offset=HEADER_BYTES).view(2, self.num_layers, self.slots, self.kv_heads, self.head_dim)
+        return header, kv[0], kv[1]
+
+
+def map_segment(name: str, size: int, create: bool) -> mmap.mmap:
+    """Maps /dev/shm/name; `create` makes it (exclusively; zero-filled, faulted in lazily)."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(SHM_DIR / name, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size != size:
+            raise ValueError(f"segment {name} is {os.fstat(fd).st_size} bytes, expected {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def int64s(values: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
+
+
+class RecallTarget:
+    """A worker's KV cache, mapped by the kv_store."""
+
+    def __init__(self, request: pb.OpenRecallTarget, dtype: torch.dtype):
+        self.name = request.shm_name
+        self.shape = CacheShape(request.num_layers, request.slots, request.kv_heads, request.head_dim, request.block_size)
+        self._map = map_segment(request.shm_name, self.shape.segment_bytes(dtype), create=False)
+        self.header, self.k, self.v = self.shape.tensors(self._map, dtype)
+
+    def close(self) -> None:
+        del self.header, self.k, self.v
+        self._map.close()
+
+
+class RecallEngine:
+    def __init__(self, pool_map: mmap.mmap, geometry: PoolGeometry, dtype: torch.dtype):
+        self.geometry = geometry
+        self.dtype = dtype
+        self.pool = torch.frombuffer(pool_map, dtype=dtype)
+        self.targets: dict[int, RecallTarget] = {}
+        self.recalls = 0  # completed, since start
+        self.busy_s = 0.0
+        self._lock = threading.Lock()  # targets are opened and dropped on the control thread, used on the engine's
+
+    def open(self, request: pb.OpenRecallTarget) -> None:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        unit = 2 * request.kv_heads * request.block_size * request.head_dim * element
+        if unit != self.geometry.unit_bytes or request.num_layers != self.geometry.num_layers:
+            raise ValueError(
+                f"recall target {request.shm_name}: {request.num_layers} layers of {unit}-byte units do not match the pool's "
+                f"{self.geometry.num_layers} layers of {self.geometry.unit_bytes}-byte units"
+            )
+        target = RecallTarget(request, self.dtype)
+        with self._lock:
+            self._drop(request.worker_id)
+            self.targets[request.worker_id] = target
+
+    def drop(self, worker_id: int) -> str | None:
+        """Unmaps a worker's cache; returns its segment name."""
+        with self._lock:
+            return self._drop(worker_id)
+
+    def _drop(self, worker_id: int) -> str | None:
+        target = self.targets.pop(worker_id, None)
+        if target is None:
+            return None
+        target.close()
+        return target.name
+
+    def run(self, request: pb.RecallRequest) -> pb.RecallDone:
+        started = time.perf_counter()
+        try:
+            with self._lock:
+                self._copy(request)
+        except ValueError as e:
+            return pb.RecallDone(sequence=request.sequence, error=str(e))
+        busy = time.perf_counter() - started
+        self.recalls, self.busy_s = self.recalls + 1, self.busy_s + busy
+        return pb.RecallDone(sequence=request.sequence, busy_s=busy)
+
+    def _copy(self, request: pb.RecallRequest) -> None:
+        target = self.targets.get(request.worker_id)
+        if target is None:
+            raise ValueError(f"worker {request.worker_id} has no recall target: open one first")
+        host, device, heads = int64s(request.host_blocks), int64s(request.device_blocks), int64s(request.heads)
+        shape = target.shape
+        _check_range("host block", host, self.geometry.num_blocks)
+        _check_range("device block", device, shape.slots // shape.block_size)
+        _check_range("layer", torch.tensor([request.layer]), shape.num_layers)
+        if heads.numel():
+            _check_range("kv head", heads, shape.kv_heads)
+        if host.shape != device.shape or (heads.numel() and heads.shape != host.shape):
+            raise ValueError(f"{host.numel()} host blocks for {device.numel()} device blocks and {heads.numel()} heads")
+        rows = host * self.geometry.num_layers + request.layer
+        units = self.pool.view(-1, 2, shape.kv_heads, shape.block_size, shape.head_dim)  # one row per (block, layer)
+        recall(units, rows, target.k[request.layer], target.v[request.layer], device, heads if heads.numel() else None)
+        target.header[0] = request.sequence
+
+    def serve(self, context: zmq.Context, address: str, ready: threading.Event, stop: threading.Event) -> None:
+        """The engine's thread: one request at a time, answered to the worker that sent it."""
+        torch.set_num_threads(1)  # the engine's own core; the worker's compute keeps the others
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.bind(address)
+            ready.set()
+            while not stop.is_set():
+                if not socket.poll(POLL_MS):
+                    continue
+                identity, raw = socket.recv_multipart()
+                try:
+                    done = self.run(pb.RecallRequest.FromString(raw))
+                except DecodeError as e:
+                    done = pb.RecallDone(error=f"bad recall request: {e}")
+                socket.send_multipart([identity, done.SerializeToString()])
+        finally:
+            socket.close()
+
+    def close(self) -> None:
+        """Unmaps every target and lets go of the pool (whose mapping cannot close while viewed)."""
+        with self._lock:
+            for worker_id in list(self.targets):
+                self._drop(worker_id)
+            del self.pool
+
+
+def _check_range(what: str, values: torch.Tensor, bound: int) -> None:
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= bound):
+        raise ValueError(f"{what} out of range [0, {bound}): {values.tolist()[:8]}")
