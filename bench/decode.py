@@ -5,10 +5,11 @@ side in one run on one loaded model.
         --modes dense,headwise,pulse --json OUT [--plot OUT.png]
 
 Modes: `dense` (every request resident, the batch capped by the device pool), `headwise` (per-kv-head
-selection, recalls synchronous per layer), `pulse` (SoloHead, one gather per layer, layer-ahead recall,
-IO-adaptive admission), and pulse with one feature off: `pulse-no-solohead` (head-wise selection),
-`pulse-no-gather` (one copy per recalled unit), `pulse-no-layer-ahead` (recalls in line at their layer),
-`pulse-no-admission` (every request offloaded, whether or not it fits).
+selection, recalls synchronous per layer), `pulse` (SoloHead, one gather per layer, layer-ahead recall
+by default only on CUDA, IO-adaptive admission), and pulse with one feature off: `pulse-no-solohead`
+(head-wise selection), `pulse-no-gather` (one copy per recalled unit), `pulse-no-layer-ahead` (recalls in
+line at their layer: the same as `pulse` on the CPU), `pulse-no-admission` (every request offloaded,
+whether or not it fits).
 
 Steps either prefill or decode, prefill first (SGLang's default scheduling), so each mode decodes as many
 requests at once as its device memory admits. Decode tokens/s is the tokens of decode steps over their
@@ -82,7 +83,8 @@ def engine_config(mode: str, config: DecodeBenchConfig) -> EngineConfig:
         sink=config.sink,
         recent=config.recent,
         budget=config.budget,
-        layer_ahead=mode not in ("headwise", "pulse-no-layer-ahead"),  # the baseline recalls synchronously
+        # the baseline recalls synchronously; pulse takes the default (auto: on CUDA only)
+        layer_ahead="off" if mode in ("headwise", "pulse-no-layer-ahead") else "auto",
         gather=mode != "pulse-no-gather",
     )
     policy = {"dense": "never", "pulse-no-admission": "always"}.get(mode, "auto")

@@ -34,7 +34,7 @@ def main() -> None:
     prompts = [ids[i * stride : i * stride + args.context] for i in range(args.requests)]
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     results, tokens = {}, {}
-    for name, ahead in (("synchronous", False), ("layer_ahead", True)):
+    for name, ahead in (("synchronous", "off"), ("layer_ahead", "on")):
         offload = OffloadConfig(budget=args.budget, layer_ahead=ahead)
         worker = WorkerConfig(device_kv_tokens=65536, offload=offload)
         engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload="always")), loaded)

@@ -54,19 +54,32 @@ class HostTier:
     recall_engine: Callable[[PagedKVCache], RemoteRecall] | None = None
 
 
+LAYER_AHEAD = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     sink: int = 64  # tokens at the start of the context, always attended, kept on device
     recent: int = 256  # recent window kept on device (the partly filled block included)
     budget: int = 1024  # host-tier tokens selected per (request, layer); the hot buffer holds this many
     # recall layer l+1's blocks on the I/O thread while layer l computes, selected with a predicted
-    # query; the true query's selection then recalls only what the prediction missed
-    layer_ahead: bool = True
+    # query; the true query's selection then recalls only what the prediction missed. auto: on
+    # CUDA, where the copies overlap compute on the copy engine; off on CPU, where they would take
+    # the compute's own cores and the second selection per layer costs more than it hides
+    # (docs/decode.md); on | off
+    layer_ahead: str = "auto"
     # one gather of all of a layer's missed units and one scatter; off (an ablation): one copy per unit
     gather: bool = True
     # evals: on each decode step also compute dense attention over the whole context, to report
     # the share of its mass the selection keeps (reads every host block: slow)
     measure_attention_mass: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layer_ahead not in LAYER_AHEAD:
+            raise ValueError(f"--layer-ahead must be one of {', '.join(LAYER_AHEAD)}, got {self.layer_ahead!r}")
+
+    def layer_ahead_on(self, device: torch.device) -> bool:
+        return self.layer_ahead == "on" or (self.layer_ahead == "auto" and device.type == "cuda")
 
     def geometry(self, block_size: int) -> OffloadGeometry:
         for name, low in (("sink", 0), ("recent", block_size), ("budget", block_size)):
@@ -179,7 +192,7 @@ class OffloadManager:
 
     def __init__(self, config: OffloadConfig, cache: PagedKVCache, host: HostTier, per_head: bool = False):
         self.geometry = config.geometry(cache.spec.block_size)
-        self.layer_ahead = config.layer_ahead
+        self.layer_ahead = config.layer_ahead_on(cache.k.device)
         self.gather = config.gather
         self.num_layers = cache.shape.num_layers
         self.view = host.view

@@ -77,7 +77,7 @@ def test_layer_ahead_recall_changes_timing_never_tokens(model, corpus, mode):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runs = {}
     for ahead in (False, True):
-        engine = _engine(model, "always", 16384, mode=mode, sink=32, recent=64, budget=128, layer_ahead=ahead)
+        engine = _engine(model, "always", 16384, mode=mode, sink=32, recent=64, budget=128, layer_ahead="on" if ahead else "off")
         runs[ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
         _assert_all_freed(engine)
     assert runs[True][0] == runs[False][0]

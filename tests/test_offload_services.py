@@ -19,7 +19,8 @@ from pulseinfer.serving_cluster import ServingCluster
 MODEL = "SmolLM2-135M-Instruct"
 TEXT = " ".join(pydoc_data.topics.topics.values())
 # a device pool of 2048 tokens; an offloaded request holds 1 sink + 4 window + 8 hot blocks of 16 tokens
-FLAGS = ("--workers", "1", "--device-kv-tokens", "2048", "--sink", "16", "--recent", "64", "--budget", "128")
+# (layer-ahead recall forced on: its default on the CPU is off)
+FLAGS = ("--workers", "1", "--device-kv-tokens", "2048", "--sink", "16", "--recent", "64", "--budget", "128", "--layer-ahead", "on")
 UNIT_BYTES = 2 * 3 * 16 * 64 * 4  # one (block, layer) recall unit of the default model: K and V, 3 kv heads, fp32
 KV_STORE_PIDS: set[int] = set()  # every kv_store this module's cluster ran: none may leave its segment behind
 
