@@ -10,7 +10,6 @@ from gpu_worker.offload import HostTier
 from gpu_worker.server import Worker, WorkerServiceConfig
 from kv_store.client import KVStoreClient, RemoteRecall
 from kv_store.view import PoolView
-from proto.pulseinfer.v1.kv_store_pb2 import OpenRecallTarget
 from pulseinfer.flags import parse_config
 from pulseinfer.proc import run_service, setup_logging, stop_on_signals
 
@@ -34,17 +33,7 @@ def main() -> None:
             return view
 
         def open_recall_target(cache: PagedKVCache) -> RemoteRecall:
-            s = cache.shape
-            target = OpenRecallTarget(
-                worker_id=config.worker_id,
-                shm_name=cache.segment,
-                num_layers=s.num_layers,
-                slots=s.slots,
-                kv_heads=s.kv_heads,
-                head_dim=s.head_dim,
-                block_size=s.block_size,
-            )
-            kv_store.open_recall(target)
+            kv_store.open_recall(cache.shape.target(config.worker_id, cache.segment))
             return RemoteRecall(context, config.kv_store, config.worker_id, cache.header, config.kv_store_timeout_s)
 
         engine = open_recall_target if config.engine_recalls and w.device == "cpu" else None

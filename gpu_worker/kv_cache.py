@@ -39,9 +39,9 @@ class PagedKVCache:
         self.shape = CacheShape(config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim, spec.block_size)
         self.segment = segment
         if segment is None:
-            shape = (config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim)
-            self.k = _zeroed(shape, dtype, device)
-            self.v = _zeroed(shape, dtype, device)
+            s = self.shape
+            self.k = _zeroed((s.num_layers, s.slots, s.kv_heads, s.head_dim), dtype, device)
+            self.v = _zeroed((s.num_layers, s.slots, s.kv_heads, s.head_dim), dtype, device)
             return
         if device.type != "cpu":
             raise ValueError("a KV cache in shared memory is for CPU workers (CUDA workers export device buffers instead)")

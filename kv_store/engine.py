@@ -10,6 +10,7 @@ so an idle engine and an idle worker spin on nothing).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import os
@@ -38,6 +39,10 @@ class CacheShape:
     kv_heads: int
     head_dim: int
     block_size: int
+
+    def target(self, worker_id: int, shm_name: str) -> pb.OpenRecallTarget:
+        """The request that opens a cache of this shape, in segment `shm_name`, as a recall target."""
+        return pb.OpenRecallTarget(worker_id=worker_id, shm_name=shm_name, **dataclasses.asdict(self))
 
     def segment_bytes(self, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()

@@ -18,8 +18,8 @@ from google.protobuf.message import DecodeError
 
 from kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
 from kv_store.client import io_address, pid_namespace
-from kv_store.engine import SHM_DIR, RecallEngine
-from kv_store.pool import PoolGeometry, SharedPool, pid_alive, remove_stale_segments, segment_name
+from kv_store.engine import RecallEngine
+from kv_store.pool import SHM_DIR, PoolGeometry, SharedPool, pid_alive, remove_stale_segments, segment_name
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 log = logging.getLogger("kv_store")

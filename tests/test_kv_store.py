@@ -18,7 +18,6 @@ from gpu_worker.model.loader import load_model_meta
 from kv_store.allocator import PoolExhausted
 from kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall
 from kv_store.view import CUDA_REGISTER_CHUNK, PoolMismatch, PoolView, register_host_range
-from proto.pulseinfer.v1.kv_store_pb2 import OpenRecallTarget
 from pulseinfer import probe
 
 # SmolLM2-135M: 3 kv heads x 64 dims; the pool is for fp32, block 16
@@ -161,17 +160,7 @@ TARGET_HOLDER = textwrap.dedent(
 
 
 def open_target(client: KVStoreClient, worker_id: int, cache: PagedKVCache) -> None:
-    s = cache.shape
-    target = OpenRecallTarget(
-        worker_id=worker_id,
-        shm_name=cache.segment,
-        num_layers=s.num_layers,
-        slots=s.slots,
-        kv_heads=s.kv_heads,
-        head_dim=s.head_dim,
-        block_size=s.block_size,
-    )
-    client.open_recall(target)
+    client.open_recall(cache.shape.target(worker_id, cache.segment))
 
 
 def test_the_io_engine_recalls_into_the_worker_cache_bit_exact(kv_store):
