@@ -11,7 +11,6 @@ so an idle engine and an idle worker spin on nothing).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import mmap
 import os
 import threading
@@ -26,7 +25,6 @@ from kernels.gather_scatter import recall
 from kv_store.pool import SHM_DIR, PoolGeometry
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
-log = logging.getLogger("kv_store")
 POLL_MS = 200  # how soon a shutdown signal is noticed
 HEADER_BYTES = 4096  # int64 [0]: sequence of the last completed recall; a page, so K starts aligned
 CACHE_SEGMENT_PREFIX = "pulseinfer-cache-"  # + the worker's pid
@@ -43,6 +41,10 @@ class CacheShape:
     def target(self, worker_id: int, shm_name: str) -> pb.OpenRecallTarget:
         """The request that opens a cache of this shape, in segment `shm_name`, as a recall target."""
         return pb.OpenRecallTarget(worker_id=worker_id, shm_name=shm_name, **dataclasses.asdict(self))
+
+    @classmethod
+    def of_target(cls, request: pb.OpenRecallTarget) -> CacheShape:
+        return cls(**{f.name: getattr(request, f.name) for f in dataclasses.fields(cls)})
 
     def segment_bytes(self, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
@@ -78,7 +80,7 @@ class RecallTarget:
 
     def __init__(self, request: pb.OpenRecallTarget, dtype: torch.dtype):
         self.name = request.shm_name
-        self.shape = CacheShape(request.num_layers, request.slots, request.kv_heads, request.head_dim, request.block_size)
+        self.shape = CacheShape.of_target(request)
         self._map = map_segment(request.shm_name, self.shape.segment_bytes(dtype), create=False)
         self.header, self.k, self.v = self.shape.tensors(self._map, dtype)
 
@@ -141,7 +143,8 @@ class RecallEngine:
         shape = target.shape
         _check_range("host block", host, self.geometry.num_blocks)
         _check_range("device block", device, shape.slots // shape.block_size)
-        _check_range("layer", torch.tensor([request.layer]), shape.num_layers)
+        if request.layer >= shape.num_layers:
+            raise ValueError(f"layer {request.layer} out of range [0, {shape.num_layers})")
         if heads.numel():
             _check_range("kv head", heads, shape.kv_heads)
         if host.shape != device.shape or (heads.numel() and heads.shape != host.shape):

@@ -145,13 +145,14 @@ def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) 
     socket = context.socket(zmq.REP)
     socket.setsockopt(zmq.LINGER, 0)
     engine = RecallEngine(pool.map, geometry, getattr(torch, config.kv_dtype))
+    engine_address = io_address(config.bind)
     engine_ready, engine_stop = threading.Event(), threading.Event()
-    io = threading.Thread(target=engine.serve, args=(context, io_address(config.bind), engine_ready, engine_stop), name="io-engine")
+    io = threading.Thread(target=engine.serve, args=(context, engine_address, engine_ready, engine_stop), name="io-engine")
     try:
         socket.bind(config.bind)
         io.start()
         if not engine_ready.wait(10):
-            raise RuntimeError(f"the I/O engine could not bind {io_address(config.bind)}")
+            raise RuntimeError(f"the I/O engine could not bind {engine_address}")
         store = KVStore(pool, engine)
         log.info(
             "host KV pool %s: %d blocks, %.2f GiB; control on %s, I/O engine on %s",
@@ -159,7 +160,7 @@ def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) 
             geometry.num_blocks,
             geometry.total_bytes / 2**30,
             config.bind,
-            io_address(config.bind),
+            engine_address,
         )
         reaped_at = time.monotonic()
         while not stop.is_set():

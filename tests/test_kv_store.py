@@ -192,6 +192,8 @@ def test_the_io_engine_recalls_into_the_worker_cache_bit_exact(kv_store):
             remote(0, [view.blocks.shape[0]], [0])
         with pytest.raises(ValueError, match="device block out of range"):
             remote(0, [host[0]], [8])
+        with pytest.raises(ValueError, match="layer 99 out of range"):
+            remote(99, [host[0]], [0])
         remote(0, [host[4]], [7])  # a refused request harms nothing: the engine goes on
         assert torch.equal(v[0, 7], view.blocks[host[4], 0, 1].transpose(0, 1))
     finally:
