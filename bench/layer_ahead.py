@@ -1,7 +1,10 @@
-"""Time the compute waits on recalls, with and without layer-ahead recall, side by side in one
-run: the same offloaded requests decoded twice on one loaded model.
+"""Time the compute waits on recalls: synchronous recall, layer-ahead recall, and layer-ahead
+recall with a per-layer deadline, side by side in one run (the same offloaded requests decoded
+three times on one loaded model). With the deadline, the wait includes the step's end, where the
+recalls it left behind land; the blocks attention went without are counted.
 
-    python -m bench.layer_ahead [--requests 4] [--context 4096] [--output-tokens 32] [--budget 512] [--json OUT]
+    python -m bench.layer_ahead [--requests 4] [--context 4096] [--output-tokens 32] [--budget 512]
+                                [--deadline-ms 0] [--json OUT]
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import pydoc_data.topics
 import time
 from pathlib import Path
 
+from bench.decode import agreement
 from gpu_worker.model.loader import load_model
 from gpu_worker.offload import OffloadConfig
 from gpu_worker.runner import WorkerConfig
@@ -26,6 +30,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--deadline-ms", type=float, default=0.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     loaded = load_model()
@@ -34,8 +39,9 @@ def main() -> None:
     prompts = [ids[i * stride : i * stride + args.context] for i in range(args.requests)]
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     results, tokens = {}, {}
-    for name, ahead in (("synchronous", "off"), ("layer_ahead", "on")):
-        offload = OffloadConfig(budget=args.budget, layer_ahead=ahead)
+    runs = (("synchronous", "off", None), ("layer_ahead", "on", None), ("layer_ahead_deadline", "on", args.deadline_ms))
+    for name, ahead, deadline in runs:
+        offload = OffloadConfig(budget=args.budget, layer_ahead=ahead, recall_deadline_ms=deadline)
         worker = WorkerConfig(device_kv_tokens=65536, offload=offload)
         engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload="always")), loaded)
         started = time.perf_counter()
@@ -48,11 +54,15 @@ def main() -> None:
             "recalled_units_per_step": stats["recalled_units"] / steps,
             "prefetched_units": stats["prefetched_units"],
             "corrected_units": stats["corrected_units"],
+            "truncated_units_per_step": stats["truncated_units"] / steps,
         }
         print(name, json.dumps(results[name]), flush=True)
+    synchronous = results["synchronous"]["io_wait_ms_per_step"]
     summary = {
-        "io_wait_ratio": results["layer_ahead"]["io_wait_ms_per_step"] / results["synchronous"]["io_wait_ms_per_step"],
+        "io_wait_ratio": results["layer_ahead"]["io_wait_ms_per_step"] / synchronous,
         "identical_tokens": tokens["layer_ahead"] == tokens["synchronous"],
+        "deadline_io_wait_ratio": results["layer_ahead_deadline"]["io_wait_ms_per_step"] / synchronous,
+        "deadline_token_agreement": agreement(tokens["layer_ahead_deadline"], tokens["synchronous"]),
     }
     print(json.dumps(summary))
     if args.json:

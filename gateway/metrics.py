@@ -111,6 +111,9 @@ class GatewayMetrics:
             "recall_prefetched_units": Counter(p + "recall_prefetched_units_total", "Units recalled a layer ahead from a predicted query."),
             "recall_corrected_units": Counter(p + "recall_corrected_units_total", "Units the true query added to a layer-ahead selection."),
             "recall_io_busy_s": Counter(p + "recall_io_busy_seconds_total", "Time the recall copies took (the link busy)."),
+            "recall_truncated_units": Counter(
+                p + "recall_truncated_units_total", "Selected units attention ran without: their recall missed the layer's deadline."
+            ),
             "link_bytes_per_s": Gauge(p + "admission_link_bytes_per_second", "Bandwidth the recalls achieved while copying (EMA)."),
             "recall_bytes_per_offloaded_step": Gauge(
                 p + "admission_recall_bytes_per_offloaded_step", "Recall bytes one offloaded request adds per decode step (EMA)."

@@ -18,8 +18,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, replace
-from typing import Protocol
+from itertools import zip_longest
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -55,6 +57,7 @@ class HostTier:
 
 
 LAYER_AHEAD = ("auto", "on", "off")
+RECALL_PARTS = 8  # with a recall deadline: each layer's gather in this many parts, landing in score order
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,10 @@ class OffloadConfig:
     layer_ahead: str = "auto"
     # one gather of all of a layer's missed units and one scatter; off (an ablation): one copy per unit
     gather: bool = True
+    # wait at most this long per layer for its recalls, then attend over the selected blocks that
+    # have landed (the rest are counted as truncated and land before the step ends); unset: wait
+    # for every recall. Pulse mode only: a head-wise row cannot drop blocks of some heads alone
+    recall_deadline_ms: float | None = None
     # evals: on each decode step also compute dense attention over the whole context, to report
     # the share of its mass the selection keeps (reads every host block: slow)
     measure_attention_mass: bool = False
@@ -77,6 +84,12 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if self.layer_ahead not in LAYER_AHEAD:
             raise ValueError(f"--layer-ahead must be one of {', '.join(LAYER_AHEAD)}, got {self.layer_ahead!r}")
+        if self.recall_deadline_ms is not None and not self.recall_deadline_ms >= 0:
+            raise ValueError(f"--recall-deadline-ms must be >= 0, got {self.recall_deadline_ms}")
+
+    @property
+    def recall_deadline_s(self) -> float | None:
+        return None if self.recall_deadline_ms is None else self.recall_deadline_ms / 1e3
 
     def layer_ahead_on(self, device: torch.device) -> bool:
         return self.layer_ahead == "on" or (self.layer_ahead == "auto" and device.type == "cuda")
@@ -105,6 +118,39 @@ class OffloadGeometry:
         """First logical block of the recent window of a context of `length` tokens."""
         last = (length - 1) // self.block_size
         return max(self.sink_blocks, last - self.ring_blocks + 1)
+
+
+T = TypeVar("T")
+
+
+def by_rank(ranked: list[list[T]]) -> list[T]:
+    """Every list's first item, then every second one, ...: a batch's recalls in score order
+    across its rows (and a row's heads), so a deadline cuts the lowest-ranked blocks."""
+    return [item for tier in zip_longest(*ranked) for item in tier if item is not None]
+
+
+class Recall(NamedTuple):
+    """One missed unit: logical block `logical` of request `seq_id` (kv head `group` in headwise
+    mode), from host block `host` into device block `device`."""
+
+    seq_id: str
+    logical: int
+    group: int
+    host: int
+    device: int
+
+
+class RecallJob:
+    """Recalls of one layer on the I/O thread, in score order; `landed` counts the leading units
+    whose copy has completed, so a deadline can attend over those and leave the rest."""
+
+    def __init__(self, units: list[Recall]):
+        self.units = units
+        self.landed = 0
+        self.future: Future | None = None
+
+    def in_flight(self) -> set[tuple[str, int, int]]:
+        return {(u.seq_id, u.group, u.logical) for u in self.units[self.landed :]}
 
 
 class OffloadedSeq:
@@ -146,10 +192,10 @@ class OffloadedSeq:
 
     def recall_plan(self, layer: int, selected: list[list[int]]) -> list[tuple[int, int, int]]:
         """Updates the layer's hot buffers for a selection of host-tier blocks (logical ids, one
-        list per group); returns the misses as (logical block, group, device block to fill)."""
-        return [
-            (logical, group, dev) for group, chosen in enumerate(selected) for logical, dev in self._fill(self.hot[layer][group], chosen)
-        ]
+        list per group, best first); returns the misses as (logical block, group, device block
+        to fill), by rank across the groups."""
+        fills = [self._fill(self.hot[layer][group], chosen) for group, chosen in enumerate(selected)]
+        return by_rank([[(logical, group, dev) for logical, dev in group_fills] for group, group_fills in enumerate(fills)])
 
     def _fill(self, hot: OrderedDict[int, int], selected: list[int]) -> list[tuple[int, int]]:
         """Least recently used blocks outside the selection make room for the misses."""
@@ -179,7 +225,7 @@ class OffloadedSeq:
         last = (length - 1) // g.block_size
         sink = [self.sink[j] for j in range(min(g.sink_blocks, last + 1))]
         window = [self.ring[j % g.ring_blocks] for j in self.window(length)]
-        return [sink + [hot[j] for j in chosen] + window for hot, chosen in zip(self.hot[layer], selected)]
+        return [sink + [hot[j] for j in sorted(chosen)] + window for hot, chosen in zip(self.hot[layer], selected)]
 
     def window(self, length: int) -> range:
         """Logical blocks of the recent window of a context of `length` tokens."""
@@ -194,6 +240,9 @@ class OffloadManager:
         self.geometry = config.geometry(cache.spec.block_size)
         self.layer_ahead = config.layer_ahead_on(cache.k.device)
         self.gather = config.gather
+        if per_head and config.recall_deadline_ms is not None:
+            raise ValueError("--recall-deadline-ms needs --mode pulse (head-wise recalls are synchronous)")
+        self.deadline_s = config.recall_deadline_s
         self.num_layers = cache.shape.num_layers
         self.view = host.view
         self.allocator = host.allocator
@@ -315,6 +364,7 @@ class OffloadManager:
             "recall_bytes_by_layer": list(self.recall_bytes_by_layer),
             "prefetched_units": r.prefetched_units,
             "corrected_units": r.corrected_units,
+            "truncated_units": r.truncated_units,
             "io_wait_seconds": r.io_wait_s,
             "io_busy_seconds": r.io_busy_s,
             "attention_mass": self.mass.mean if self.mass else None,
@@ -333,7 +383,8 @@ class OffloadStep:
         self.chunks = chunks
         self.decode_rows = {s.seq_id: batch.decode_seq_ids.index(s.seq_id) for s in self.seqs if s.seq_id in batch.decode_seq_ids}
         self.by_id = {s.seq_id: s for s in self.seqs}
-        self.pending: dict[int, Future] = {}  # layer -> its recall started ahead
+        self.pending: dict[int, list[RecallJob]] = {}  # layer -> its recalls on the I/O thread
+        self.landing: list[RecallJob] = []  # recalls a deadline left behind: they land before the step ends
         B = g.block_size
         prefix_buf, prefix_slots, chunk_buf, chunk_tokens, dev_slots, dev_buf = [], [], [], [], [], []
         host_ids, host_buf, summary_targets = [], [], []
@@ -405,7 +456,7 @@ class OffloadStep:
         and starts recalling the misses on the I/O thread; decode_tables(layer) waits for it."""
         _, recalls = self._plan(layer, q)
         if recalls:
-            self.pending[layer] = self.manager.io.submit(self._recall, layer, cache, recalls)
+            self._submit(layer, cache, recalls)
             self.manager.add_recall(prefetched_units=len(recalls))
             self._count(layer, recalls)
 
@@ -413,79 +464,131 @@ class OffloadStep:
         """The batch's decode block tables for this layer, offloaded rows selected with the true
         query and recalled ([b, max_blocks], or [b, kv_heads, max_blocks] in headwise mode)."""
         manager, g = self.manager, self.geometry
-        started = time.perf_counter()
-        self._wait(layer)
-        waited = time.perf_counter() - started
-        selections, recalls = self._plan(layer, q)
-        if recalls:
-            started = time.perf_counter()
-            self._recall(layer, cache, recalls)
-            waited += time.perf_counter() - started
-            self._count(layer, recalls)
-            manager.add_recall(corrected_units=len(recalls) if manager.layer_ahead and layer > 0 else 0)
-        manager.add_recall(io_wait_s=waited)
+        if manager.deadline_s is None:
+            selections, in_flight = self._recall_all(layer, cache, q), set()
+        else:
+            selections, in_flight = self._recall_until_deadline(layer, cache, q, manager.deadline_s)
         if layer == 0:
             manager.decoded_rows += len(self.decode_rows)
-        rows, lens = list(batch.decode_rows), batch.decode_ctx_lens.clone()
+        rows, lens, truncated = list(batch.decode_rows), batch.decode_ctx_lens.clone(), 0
         for seq_id, row in self.decode_rows.items():
             seq = self.by_id[seq_id]
-            table = seq.decode_row(layer, selections[row])
+            landed = [[j for j in chosen if (seq_id, group, j) not in in_flight] for group, chosen in enumerate(selections[row])]
+            truncated += sum(map(len, selections[row])) - sum(map(len, landed))
+            table = seq.decode_row(layer, landed)
             rows[row] = torch.tensor(table if manager.per_head else table[0], dtype=torch.long)
             lens[row] = (len(table[0]) - 1) * g.block_size + (seq.length - 1) % g.block_size + 1
             if manager.mass is not None:
-                self._measure(layer, cache, q[row], seq, selections[row])
+                self._measure(layer, cache, q[row], seq, landed)
+        manager.add_recall(truncated_units=truncated)
         return pad_tables(rows).to(q.device), lens
 
-    def _plan(self, layer: int, q: torch.Tensor) -> tuple[dict[int, list[list[int]]], list[tuple[int, int, int]]]:
+    def _recall_all(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> dict[int, list[list[int]]]:
+        """Every selected block lands before attention: the layer-ahead recall first (the true
+        query's misses may take its blocks), then the misses, copied on this thread."""
+        self._timed(self._settle, layer, None)
+        selections, recalls = self._plan(layer, q)
+        if recalls:
+            self._correct(layer, recalls)
+            self._timed(self._recall, layer, cache, RecallJob(recalls))
+        return selections
+
+    def _recall_until_deadline(
+        self, layer: int, cache: PagedKVCache, q: torch.Tensor, deadline_s: float
+    ) -> tuple[dict[int, list[list[int]]], set[tuple[str, int, int]]]:
+        """The misses queue behind the layer-ahead recall on the I/O thread (blocks reused in
+        the order they were assigned); attention runs over what landed within the deadline.
+        Returns the selections and the selected units still in flight."""
+        selections, recalls = self._plan(layer, q)
+        if recalls:
+            self._correct(layer, recalls)
+            self._submit(layer, cache, recalls)
+        return selections, self._timed(self._settle, layer, time.perf_counter() + deadline_s)
+
+    def _correct(self, layer: int, recalls: list[Recall]) -> None:
+        self._count(layer, recalls)
+        self.manager.add_recall(corrected_units=len(recalls) if self.manager.layer_ahead and layer > 0 else 0)
+
+    def _timed(self, wait: Callable[..., T], *args) -> T:
+        """Runs `wait`, counting its time as compute blocked on recalls."""
+        started = time.perf_counter()
+        try:
+            return wait(*args)
+        finally:
+            self.manager.add_recall(io_wait_s=time.perf_counter() - started)
+
+    def _plan(self, layer: int, q: torch.Tensor) -> tuple[dict[int, list[list[int]]], list[Recall]]:
         """Selects each decode row's blocks for query q (one row per decode sequence) and updates
-        its hot buffer: the selections by row, and the misses as (host block, group, device block)."""
+        its hot buffer: the selections by row, and the misses by rank across the rows."""
         g, per_head = self.geometry, self.manager.per_head
-        selections, recalls = {}, []
+        selections, ranked = {}, []
         for seq_id, row in self.decode_rows.items():
             seq = self.by_id[seq_id]
             hosted = g.window_start(seq.length) - g.sink_blocks
             kmin, kmax = seq.summaries.kmin[layer, :hosted], seq.summaries.kmax[layer, :hosted]
             selected = [[g.sink_blocks + i for i in chosen] for chosen in select_blocks(q[row], kmin, kmax, g.hot_blocks, per_head)]
-            recalls += [(seq.host_blocks[j - g.sink_blocks], group, dev) for j, group, dev in seq.recall_plan(layer, selected)]
+            misses = seq.recall_plan(layer, selected)
+            ranked.append([Recall(seq_id, j, group, seq.host_blocks[j - g.sink_blocks], dev) for j, group, dev in misses])
             selections[row] = selected
-        return selections, recalls
+        return selections, by_rank(ranked)
 
-    def _wait(self, layer: int) -> None:
-        if (future := self.pending.pop(layer, None)) is not None:
-            future.result()
+    def _submit(self, layer: int, cache: PagedKVCache, recalls: list[Recall]) -> None:
+        job = RecallJob(recalls)
+        job.future = self.manager.io.submit(self._recall, layer, cache, job)
+        self.pending.setdefault(layer, []).append(job)
+
+    def _settle(self, layer: int, deadline: float | None) -> set[tuple[str, int, int]]:
+        """Waits for the layer's recalls on the I/O thread until `deadline` (None: until they
+        land); returns the units still in flight, which finish() waits for."""
+        in_flight = set()
+        for job in self.pending.pop(layer, []):
+            try:
+                job.future.result(timeout=None if deadline is None else max(0.0, deadline - time.perf_counter()))
+            except TimeoutError:
+                self.landing.append(job)
+                in_flight |= job.in_flight()
+        return in_flight
 
     def finish(self) -> None:
-        """Waits for every recall still in flight (a step that failed midway must not leave the I/O
-        thread writing into blocks the next step reuses)."""
-        for layer in list(self.pending):
-            self._wait(layer)
+        """Waits for every recall still in flight (a step that failed midway, or a deadline, must
+        not leave the I/O thread writing into blocks the next step reuses); raises a late one's error."""
+        jobs = [job for layer in self.pending.values() for job in layer] + self.landing
+        self._timed(wait_all, [job.future for job in jobs])
+        for job in self.landing:
+            job.future.result()
 
-    def _recall(self, layer: int, cache: PagedKVCache, recalls: list[tuple[int, int, int]]) -> None:
+    def _recall(self, layer: int, cache: PagedKVCache, job: RecallJob) -> None:
         """One gather of every missed unit of the layer from the host pool, scattered into the hot
         buffers: whole (block, layer) units in pulse mode, one kv head of each in headwise mode.
         On CUDA the units are staged on the device first (one copy per unit), then scattered.
-        Without `gather` (the ablation) each unit is its own copy."""
+        Without `gather` (the ablation) each unit is its own copy; with a deadline the gather is
+        cut in RECALL_PARTS so attention can use the leading (best) units that landed."""
         started = time.perf_counter()
-        for part in [recalls] if self.manager.gather else [[unit] for unit in recalls]:
+        for part in self._parts(job.units):
             self._copy(layer, cache, part)
+            job.landed += len(part)
         self.manager.add_recall(io_busy_s=time.perf_counter() - started)
 
-    def _copy(self, layer: int, cache: PagedKVCache, recalls: list[tuple[int, int, int]]) -> None:
+    def _parts(self, units: list[Recall]) -> list[list[Recall]]:
+        size = 1 if not self.manager.gather else len(units) if self.manager.deadline_s is None else -(-len(units) // RECALL_PARTS)
+        return [units[i : i + size] for i in range(0, len(units), size)]
+
+    def _copy(self, layer: int, cache: PagedKVCache, recalls: list[Recall]) -> None:
         view, per_head, remote = self.manager.view, self.manager.per_head, self.manager.remote
         if remote is not None:  # the kv_store's I/O engine copies into the shared cache
-            remote(layer, [h for h, _, _ in recalls], [d for _, _, d in recalls], [g for _, g, _ in recalls] if per_head else None)
+            remote(layer, [r.host for r in recalls], [r.device for r in recalls], [r.group for r in recalls] if per_head else None)
             return
         k_cache, v_cache = cache.layer(layer)
-        host = torch.tensor([h for h, _, _ in recalls], dtype=torch.long)
-        dev = torch.tensor([d for _, _, d in recalls], dtype=torch.long, device=k_cache.device)
-        heads = torch.tensor([h for _, h, _ in recalls], dtype=torch.long, device=k_cache.device) if per_head else None
+        host = torch.tensor([r.host for r in recalls], dtype=torch.long)
+        dev = torch.tensor([r.device for r in recalls], dtype=torch.long, device=k_cache.device)
+        heads = torch.tensor([r.group for r in recalls], dtype=torch.long, device=k_cache.device) if per_head else None
         if k_cache.is_cuda:
             units, index = view.read(host, layer, k_cache.device), torch.arange(len(recalls), device=k_cache.device)
         else:
             units, index = view.units, view.unit_rows(host, layer)
         recall(units, index, k_cache, v_cache, dev, heads)
 
-    def _count(self, layer: int, recalls: list[tuple[int, int, int]]) -> None:
+    def _count(self, layer: int, recalls: list[Recall]) -> None:
         """Recall statistics, counted on the compute thread (the I/O thread adds only its busy time)."""
         manager, view = self.manager, self.manager.view
         size = len(recalls) * view.unit_bytes // (view.kv_heads if manager.per_head else 1)

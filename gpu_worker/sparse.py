@@ -51,7 +51,8 @@ class BlockSummaries:
 def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, budget: int, per_head: bool) -> list[list[int]]:
     """The top-`budget` host blocks by the Quest bound of q (summed over each kv head's GQA group):
     one set for all heads when not `per_head` (SoloHead), else one per kv head. q: [q_heads, dim];
-    kmin, kmax: [n, kv_heads, dim]. Returns one ascending list per selection group (1 or kv_heads)."""
+    kmin, kmax: [n, kv_heads, dim]. Returns one list per selection group (1 or kv_heads), highest
+    bound first: recalls go in that order, so a deadline cuts the least promising blocks."""
     n, heads = kmin.shape[:2]
     groups = heads if per_head else 1
     if n <= budget:
@@ -59,7 +60,7 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, budge
     scores = quest_scores(q, kmin, kmax)  # [kv_heads, n]
     if not per_head:
         scores = scores.sum(dim=0, keepdim=True)
-    return [sorted(row) for row in scores.topk(budget, dim=1).indices.tolist()]
+    return scores.topk(budget, dim=1).indices.tolist()
 
 
 class AttentionMass:

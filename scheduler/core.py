@@ -278,6 +278,7 @@ RECALL_STATS_FIELDS = (  # WorkerStats' names for RecallStats' fields, in order
     "recall_prefetched_units",
     "recall_corrected_units",
     "recall_io_busy_s",
+    "recall_truncated_units",
 )
 
 

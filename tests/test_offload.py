@@ -4,13 +4,14 @@ offloaded requests in one batch, host pool exhaustion, and the selection and hot
 from __future__ import annotations
 
 import pydoc_data.topics
+import time
 from collections import OrderedDict
 
 import pytest
 import torch
 
 from gpu_worker.batch import pad_tables
-from gpu_worker.offload import OffloadConfig, OffloadedSeq
+from gpu_worker.offload import OffloadConfig, OffloadedSeq, OffloadStep, by_rank
 from gpu_worker.runner import WorkerConfig
 from gpu_worker.sparse import BlockSummaries, select_blocks
 from pulseinfer.engine import Engine, EngineConfig
@@ -86,6 +87,53 @@ def test_layer_ahead_recall_changes_timing_never_tokens(model, corpus, mode):
     assert 0 < ahead["corrected_units"] < ahead["recalled_units"]  # predictions miss some blocks and hit others
 
 
+def test_recall_deadline_that_never_expires_changes_nothing(model, corpus):
+    """With a deadline each layer's gather lands in parts on the I/O thread; when they all land in
+    time, a budget covering every block still gives the dense tokens, layer-ahead recall on."""
+    prompts = [corpus[:1000], corpus[7000:8300]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    dense = _engine(model, "never", 16384).generate(prompts, params)
+    engine = _engine(model, "always", 16384, sink=32, recent=64, budget=2048, layer_ahead="on", recall_deadline_ms=60_000.0)
+    assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in dense]
+    stats = engine.runner.offload.stats()
+    assert stats["recalled_units"] > 0 and stats["truncated_units"] == 0
+    _assert_all_freed(engine)
+
+
+def test_recall_deadline_attends_over_what_landed_and_counts_the_rest(model, corpus, monkeypatch):
+    """A link slower than the deadline: attention leaves out the blocks still in flight (counted),
+    the step waits for them before it ends, and the next steps find them in the hot buffer."""
+    copy = OffloadStep._copy
+
+    def slow_copy(step, layer, cache, recalls):
+        time.sleep(0.002)
+        copy(step, layer, cache, recalls)
+
+    monkeypatch.setattr(OffloadStep, "_copy", slow_copy)
+    prompts = [corpus[:1000], corpus[7000:8300]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = _engine(model, "always", 16384, sink=32, recent=64, budget=256, layer_ahead="off", recall_deadline_ms=0.0)
+    done = engine.generate(prompts, params)
+    assert all(len(c.token_ids) == 6 and c.error == "" for c in done)
+    stats = engine.runner.offload.stats()
+    assert 0 < stats["truncated_units"] <= stats["recalled_units"]
+    steps = len(prompts) * (params.max_tokens - 1)  # decode rows; the prefill samples the first token
+    assert stats["recalled_units"] < steps * 30 * (256 // 16) // 2  # landed late, kept: later steps recall only new misses
+    _assert_all_freed(engine)
+
+
+def test_recall_deadline_is_checked(model):
+    with pytest.raises(ValueError, match="--recall-deadline-ms must be >= 0"):
+        OffloadConfig(recall_deadline_ms=-1.0)
+    with pytest.raises(ValueError, match="needs --mode pulse"):
+        _engine(model, "always", 4096, mode="headwise", recall_deadline_ms=5.0)
+
+
+def test_recalls_go_best_first_across_the_batch():
+    assert by_rank([["a1", "a2", "a3"], ["b1"], ["c1", "c2"]]) == ["a1", "b1", "c1", "a2", "c2", "a3"]
+    assert by_rank([]) == []
+
+
 def test_long_requests_offload_and_short_ones_stay_resident_in_one_batch(model, corpus):
     short = [corpus[100:150], corpus[300:420]]
     long = corpus[5000:8000]  # 3000 tokens: more than the whole device pool
@@ -138,7 +186,7 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
         sum(torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for h in range(kv_heads))
         for b in range(blocks)
     ]
-    assert picked == sorted(sorted(range(blocks), key=lambda b: -bound[b])[:4])
+    assert picked == sorted(range(blocks), key=lambda b: -bound[b])[:4]  # highest first: the recall order
     for b in range(blocks):  # an upper bound of every token's q.k summed over the heads
         exact = torch.einsum("hgd,thd->t", grouped, keys[b]).max().item()
         assert bound[b] >= exact - 1e-4
@@ -148,7 +196,7 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
         head_bound = [
             torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for b in range(blocks)
         ]
-        assert chosen == sorted(sorted(range(blocks), key=lambda b: -head_bound[b])[:4])
+        assert chosen == sorted(range(blocks), key=lambda b: -head_bound[b])[:4]
     assert len({tuple(c) for c in per_head}) > 1  # the heads disagree: head-wise recalls fragment
 
 
@@ -166,10 +214,11 @@ def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():
 def test_headwise_hot_buffer_keeps_one_lru_per_kv_head():
     g = OffloadConfig(sink=16, recent=16, budget=32).geometry(16)  # 2 hot blocks, shared by 2 heads
     seq = OffloadedSeq("s", (100, 101, 200, 201), g, BlockSummaries(1, 2, 4, torch.device("cpu")), num_layers=1, groups=2)
-    assert seq.recall_plan(0, [[5, 6], [6, 8]]) == [(5, 0, 200), (6, 0, 201), (6, 1, 200), (8, 1, 201)]
+    # misses by rank across the heads: each head's best block first
+    assert seq.recall_plan(0, [[5, 6], [6, 8]]) == [(5, 0, 200), (6, 1, 200), (6, 0, 201), (8, 1, 201)]
     assert seq.recall_plan(0, [[5, 6], [6, 9]]) == [(9, 1, 201)]  # only head 1's new block moves
     seq.length = 16 * 12 + 3  # window: block 12; sink: block 0
-    assert seq.decode_row(0, [[5, 6], [6, 9]]) == [[100, 200, 201, 101], [100, 200, 201, 101]]
+    assert seq.decode_row(0, [[6, 5], [9, 6]]) == [[100, 200, 201, 101], [100, 200, 201, 101]]  # in logical order
 
 
 def test_pad_tables_makes_shared_rows_per_head_when_any_row_is():

@@ -73,7 +73,7 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class RecallStats(_message.Message):
-    __slots__ = ("units", "transfers", "bytes", "io_wait_s", "prefetched_units", "corrected_units", "io_busy_s")
+    __slots__ = ("units", "transfers", "bytes", "io_wait_s", "prefetched_units", "corrected_units", "io_busy_s", "truncated_units")
     UNITS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class RecallStats(_message.Message):
     PREFETCHED_UNITS_FIELD_NUMBER: _ClassVar[int]
     CORRECTED_UNITS_FIELD_NUMBER: _ClassVar[int]
     IO_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_UNITS_FIELD_NUMBER: _ClassVar[int]
     units: int
     transfers: int
     bytes: int
@@ -88,7 +89,8 @@ class RecallStats(_message.Message):
     prefetched_units: int
     corrected_units: int
     io_busy_s: float
-    def __init__(self, units: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., prefetched_units: _Optional[int] = ..., corrected_units: _Optional[int] = ..., io_busy_s: _Optional[float] = ...) -> None: ...
+    truncated_units: int
+    def __init__(self, units: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., prefetched_units: _Optional[int] = ..., corrected_units: _Optional[int] = ..., io_busy_s: _Optional[float] = ..., truncated_units: _Optional[int] = ...) -> None: ...
 
 class SequenceError(_message.Message):
     __slots__ = ("seq_id", "error")
