@@ -83,14 +83,14 @@ class LlamaModel:
         hidden = self.embed[batch.input_ids]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         for index, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, self.config.rms_eps)
+            hidden = hidden + self._attention(index, layer, x, cos, sin, batch, cache, offload)
             if offload is not None and offload.prefetching and index + 1 < len(self.layers):
                 offload.prefetch(
                     index + 1,
                     cache,
                     self._predict_q(index + 1, hidden[batch.decode_index], cos[batch.decode_index], sin[batch.decode_index]),
                 )
-            x = rms_norm(hidden, layer.input_norm, self.config.rms_eps)
-            hidden = hidden + self._attention(index, layer, x, cos, sin, batch, cache, offload)
             hidden = hidden + self._mlp(layer, rms_norm(hidden, layer.post_norm, self.config.rms_eps))
         last = rms_norm(hidden[batch.sample_index], self.norm, self.config.rms_eps)
         return F.linear(last, self.lm_head).float()
@@ -128,8 +128,10 @@ class LlamaModel:
         return F.linear(out.view(-1, c.q_size), layer.o_proj)
 
     def _predict_q(self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Layer `index`'s queries from the hidden state entering the layer before it (the residual
-        stream changes little across one layer): what layer-ahead recall selects with."""
+        """Layer `index`'s queries from the residual stream after the previous layer's attention (it
+        changes little through one MLP): what layer-ahead recall selects with, while that MLP runs.
+        Predicting from before the attention leaves a whole layer to overlap but missed 1.7x the
+        blocks (docs/benchmarks.md)."""
         c, layer = self.config, self.layers[index]
         bias = layer.qkv_bias[: c.q_size] if layer.qkv_bias is not None else None
         q = F.linear(rms_norm(hidden, layer.input_norm, c.rms_eps), layer.qkv[: c.q_size], bias)
