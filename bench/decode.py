@@ -16,6 +16,11 @@ requests at once as its device memory admits. Decode tokens/s is the tokens of d
 time; the prefill all modes share is timed apart. TPOT is, per request, the mean time of the decode steps
 that produced its tokens; `tpot_with_stalls` also counts the prefill steps of later requests it waited
 through (its last token's time minus its first's, over the tokens between).
+
+With `--rounds N` every mode runs N times, in the given order in even rounds and reversed in
+odd ones (dense, pulse, pulse, dense), so no mode always runs first or last on a machine whose
+speed drifts; each mode's numbers are the means over its rounds (tokens and per-layer bytes
+from its first round), with `decode_tok_s_by_round` kept.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class DecodeBenchConfig:
     sink: int = 64
     recent: int = 256
     block_size: int = 16
+    rounds: int = 1  # runs of every mode, the order reversed every other round
 
     def lengths(self) -> list[int]:
         low, _, high = self.context.partition("-")
@@ -57,8 +63,8 @@ class DecodeBenchConfig:
             low, high = int(low), int(high or low)
         except ValueError as e:
             raise ValueError(f"--context must be a length or a range min-max, got {self.context!r}") from e
-        if not 0 < low <= high or self.requests < 1 or self.output_tokens < 1:
-            raise ValueError("--context lengths, --requests and --output-tokens must be positive (min <= max)")
+        if not 0 < low <= high or self.requests < 1 or self.output_tokens < 1 or self.rounds < 1:
+            raise ValueError("--context lengths, --requests, --output-tokens and --rounds must be positive (min <= max)")
         step = (high - low) / max(1, self.requests - 1)
         return [round(low + i * step) for i in range(self.requests)]
 
@@ -167,6 +173,14 @@ def run_mode(mode: str, config: DecodeBenchConfig, loaded: LoadedModel, requests
     }
 
 
+def mean_of_rounds(rounds: list[dict]) -> dict:
+    """One mode's runs as one row: numbers averaged, the rest (tokens, per-layer bytes) from the first run."""
+    numeric = [k for k, v in rounds[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    row = {**rounds[0], **{k: statistics.fmean(r[k] for r in rounds) for k in numeric}}
+    row["decode_tok_s_by_round"] = [r["decode_tok_s"] for r in rounds]
+    return row
+
+
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
     """Share of greedy tokens equal to the reference's at the same position."""
     same = sum(a == b for got, want in zip(tokens, reference) for a, b in zip(got, want))
@@ -186,10 +200,13 @@ def run(config: DecodeBenchConfig, loaded: LoadedModel | None = None, log=print)
     modes = config.mode_list()
     loaded = loaded or load_model()
     requests = prompts(loaded, config.lengths())
-    rows: dict[str, dict] = {}
-    for mode in modes:
-        rows[mode] = run_mode(mode, config, loaded, requests)
-        log(f"{mode}: {rows[mode]['decode_tok_s']:.2f} decode tok/s, batch {rows[mode]['mean_decode_batch']:.1f}")
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for round_ in range(config.rounds):
+        for mode in modes if round_ % 2 == 0 else modes[::-1]:
+            row = run_mode(mode, config, loaded, requests)
+            runs[mode].append(row)
+            log(f"round {round_}, {mode}: {row['decode_tok_s']:.2f} decode tok/s, batch {row['mean_decode_batch']:.1f}")
+    rows = {mode: mean_of_rounds(runs[mode]) for mode in modes}
     if "dense" in rows:
         for row in rows.values():
             row["agreement_with_dense"] = agreement(row["tokens"], rows["dense"]["tokens"])

@@ -108,10 +108,10 @@ def test_prompt_longer_than_context(tmp_path):
 
 def test_bench_decode_compares_modes_on_the_same_requests(tmp_path):
     # every request offloaded (pulse without admission) with a budget covering every host block:
-    # the tokens must be dense's, and the harness must see that
+    # the tokens must be dense's, and the harness must see that; two rounds, the second reversed
     out = tmp_path / "decode.json"
     result = run_cli(
-        *("--requests", "2", "--context", "300-400", "--output-tokens", "4", "--device-kv-tokens", "1024"),
+        *("--requests", "2", "--context", "300-400", "--output-tokens", "4", "--device-kv-tokens", "1024", "--rounds", "2"),
         *("--sink", "16", "--recent", "64", "--budget", "512", "--modes", "dense,pulse-no-admission", "--json", str(out)),
         command="bench decode",
     )
@@ -123,6 +123,10 @@ def test_bench_decode_compares_modes_on_the_same_requests(tmp_path):
     assert pulse["offloaded_requests"] == 2 and pulse["recall_bytes_per_step"] > 0
     assert pulse["agreement_with_dense"] == 1.0 and all(len(t) == 4 for t in pulse["tokens"])
     assert dense["decode_tok_s"] > 0 and dense["tpot_p50_s"] > 0 and "pulse-no-admission" in result.stdout
+    order = [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("round ")]
+    assert order == ["round 0, dense", "round 0, pulse-no-admission", "round 1, pulse-no-admission", "round 1, dense"]
+    assert len(dense["decode_tok_s_by_round"]) == 2
+    assert dense["decode_tok_s"] == pytest.approx(sum(dense["decode_tok_s_by_round"]) / 2)
 
 
 def test_bench_decode_rejects_bad_settings():
