@@ -22,7 +22,7 @@ import zmq
 from google.protobuf.message import DecodeError
 
 from kernels.gather_scatter import recall
-from kv_store.pool import SHM_DIR, PoolGeometry
+from kv_store.pool import SHM_DIR, PoolGeometry, unit_bytes
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 POLL_MS = 200  # how soon a shutdown signal is noticed
@@ -100,8 +100,7 @@ class RecallEngine:
         self._lock = threading.Lock()  # targets are opened and dropped on the control thread, used on the engine's
 
     def open(self, request: pb.OpenRecallTarget) -> None:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        unit = 2 * request.kv_heads * request.block_size * request.head_dim * element
+        unit = unit_bytes(request.kv_heads, request.block_size, request.head_dim, torch.empty((), dtype=self.dtype).element_size())
         if unit != self.geometry.unit_bytes or request.num_layers != self.geometry.num_layers:
             raise ValueError(
                 f"recall target {request.shm_name}: {request.num_layers} layers of {unit}-byte units do not match the pool's "

@@ -21,6 +21,11 @@ PAGE = mmap.PAGESIZE
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def unit_bytes(kv_heads: int, block_size: int, head_dim: int, element_bytes: int) -> int:
+    """One (block, layer) recall unit: K and V of every kv head of a block."""
+    return 2 * kv_heads * block_size * head_dim * element_bytes
+
+
 @dataclass(frozen=True)
 class PoolGeometry:
     num_blocks: int
@@ -33,7 +38,7 @@ class PoolGeometry:
             raise ValueError(f"--kv-dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
         if tokens < block_size:
             raise ValueError(f"host KV pool of {tokens} tokens is smaller than one block ({block_size})")
-        unit = 2 * config.num_kv_heads * block_size * config.head_dim * DTYPE_BYTES[dtype]
+        unit = unit_bytes(config.num_kv_heads, block_size, config.head_dim, DTYPE_BYTES[dtype])
         return cls(num_blocks=tokens // block_size, num_layers=config.num_layers, unit_bytes=unit)
 
     @property

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from kv_store.pool import SHM_DIR, prefault
+from kv_store.pool import SHM_DIR, prefault, unit_bytes
 from proto.pulseinfer.v1 import kv_store_pb2
 
 
@@ -39,7 +39,7 @@ class PoolView:
     def attach(cls, layout: kv_store_pb2.PoolLayout, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
         """Maps the kv_store's segment named in `layout` (pre-faulted: no minor faults on the first recalls)."""
         element = torch.empty((), dtype=dtype).element_size()
-        unit = 2 * kv_heads * block_size * head_dim * element
+        unit = unit_bytes(kv_heads, block_size, head_dim, element)
         if unit != layout.unit_bytes:
             raise PoolMismatch(
                 f"kv_store pool units are {layout.unit_bytes} bytes, this worker's are {unit} "
@@ -57,8 +57,8 @@ class PoolView:
     @classmethod
     def private(cls, num_blocks: int, num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
         """A pool of this process alone (the in-process engine): anonymous memory, zero and faulted in lazily."""
-        element = torch.empty((), dtype=dtype).element_size()
-        buffer = mmap.mmap(-1, num_blocks * num_layers * 2 * kv_heads * block_size * head_dim * element)
+        unit = unit_bytes(kv_heads, block_size, head_dim, torch.empty((), dtype=dtype).element_size())
+        buffer = mmap.mmap(-1, num_blocks * num_layers * unit)
         return cls(buffer, num_blocks, num_layers, kv_heads, block_size, head_dim, dtype)
 
     @property
