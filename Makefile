@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-sparse-accuracy bench-recall-gather bench-decode bench-serve clean proto
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-sparse-accuracy bench-selection-scorers bench-recall-gather bench-decode bench-serve clean proto
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,9 @@ bench-host-pool: $(STAMP)
 
 bench-sparse-accuracy: $(STAMP)
 	$(PY) -m bench.sparse_accuracy --json bench/results/sparse_accuracy.json
+
+bench-selection-scorers: $(STAMP)
+	$(PY) -m bench.selection_scorers --json bench/results/selection_scorers.json
 
 bench-recall-gather: $(STAMP)
 	$(PY) -m bench.recall_gather --json bench/results/recall_gather.json

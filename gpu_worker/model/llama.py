@@ -91,7 +91,7 @@ class LlamaModel:
                     cache,
                     self._predict_q(index + 1, hidden[batch.decode_index], cos[batch.decode_index], sin[batch.decode_index]),
                 )
-            hidden = hidden + self._mlp(layer, rms_norm(hidden, layer.post_norm, self.config.rms_eps))
+            hidden = hidden + self.mlp(layer, rms_norm(hidden, layer.post_norm, self.config.rms_eps))
         last = rms_norm(hidden[batch.sample_index], self.norm, self.config.rms_eps)
         return F.linear(last, self.lm_head).float()
 
@@ -99,11 +99,7 @@ class LlamaModel:
         self, index: int, layer: LayerWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch, cache: PagedKVCache, offload
     ) -> torch.Tensor:
         c = self.config
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        q, k, v = self.qkv(layer, x, cos, sin)
         cache.write(index, batch.write_slots, k[batch.resident_index], v[batch.resident_index])
         if offload is not None:
             offload.store(index, cache, k, v)
@@ -127,6 +123,14 @@ class LlamaModel:
                 )
         return F.linear(out.view(-1, c.q_size), layer.o_proj)
 
+    def qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layer's q [T, heads, dim], k and v [T, kv_heads, dim] of normed hidden states x, q and k rotated."""
+        c = self.config
+        q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
+
     def _predict_q(self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Layer `index`'s queries from the residual stream after the previous layer's attention (it
         changes little through one MLP): what layer-ahead recall selects with, while that MLP runs.
@@ -145,6 +149,6 @@ class LlamaModel:
             return paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, block)
         return paged_decode_attention(q, k_cache, v_cache, tables, lens, block, self.workspace)
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, layer.down)

@@ -1,0 +1,31 @@
+"""bench.selection_scorers computes `eval ppl`'s teacher-forced sparse decode without the engine:
+for the production scorer it must give the engine's perplexity, or its comparisons mean nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.selection_scorers import ScorerStudyConfig, study
+from gpu_worker.offload import OffloadConfig
+from gpu_worker.runner import WorkerConfig
+from pulseinfer.engine import EngineConfig
+from pulseinfer.evals import PerplexityConfig, evaluate
+
+
+def test_study_gives_the_engines_perplexity(model):
+    ppl = PerplexityConfig(context=1024, score_tokens=16, windows=1)
+    offload = OffloadConfig(sink=64, recent=256, budget=128)  # 8 of the ~44 host blocks: sparse
+    study_config = ScorerStudyConfig(windows=1, context=1024, score_tokens=16, budget=128, scorers="dense,quest,oracle")
+    result = study(study_config, model, log=lambda line: None)
+    rows = {r["scorer"]: r for r in result["scorers"]}
+    for mode, scorer in (("dense", "dense"), ("pulse", "quest")):
+        config = EngineConfig(worker=WorkerConfig(mode=mode, device_kv_tokens=8192, offload=offload))
+        engine_ppl = evaluate("ppl", config, ppl, model)["perplexity"]
+        assert rows[scorer]["perplexity"] == pytest.approx(engine_ppl, rel=1e-4), scorer
+    assert rows["quest"]["perplexity"] != pytest.approx(rows["dense"]["perplexity"], rel=1e-4)  # the budget does cut
+    assert rows["oracle"]["scored_tokens"] == 16
+
+
+def test_study_rejects_unknown_scorers(model):
+    with pytest.raises(ValueError, match="--scorers takes dense"):
+        study(ScorerStudyConfig(scorers="dense,bogus"), model)
