@@ -38,6 +38,7 @@ from gpu_worker.offload import OffloadConfig, OffloadGeometry
 from kernels.scoring import quest_scores
 from kernels.summary import block_minmax
 from pulseinfer.evals import default_text
+from pulseinfer.flags import add_flags, from_flags
 
 
 @dataclass(frozen=True)
@@ -200,18 +201,16 @@ def _row(name: str, logprobs: torch.Tensor, dense: torch.Tensor) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for field, default in asdict(ScorerStudyConfig()).items():
-        parser.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
+    add_flags(parser, ScorerStudyConfig)
     parser.add_argument("--json", type=Path)
-    args = vars(parser.parse_args())
-    json_path = args.pop("json")
-    result = study(ScorerStudyConfig(**args))
+    args = parser.parse_args()
+    result = study(from_flags(ScorerStudyConfig, args))
     for r in result["scorers"]:
         low, high = r["over_dense_95"]
         print(f"{r['scorer']:8} ppl {r['perplexity']:.3f}  / dense {r['over_dense']:.4f}  (95% {low:.4f}..{high:.4f})")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
