@@ -75,7 +75,8 @@ class OffloadConfig:
     gather: bool = True
     # wait at most this long per layer for its recalls, then attend over the selected blocks that
     # have landed (the rest are counted as truncated and land before the step ends); unset: wait
-    # for every recall. Pulse mode only: a head-wise row cannot drop blocks of some heads alone
+    # for every recall. Pulse mode only: a head-wise row cannot drop blocks of some heads alone.
+    # On CUDA a part has "landed" once queued on the stream ahead of attention: nothing is cut
     recall_deadline_ms: float | None = None
     # evals: on each decode step also compute dense attention over the whole context, to report
     # the share of its mass the selection keeps (reads every host block: slow)
