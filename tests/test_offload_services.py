@@ -1,6 +1,7 @@
 """Offloading in the real cluster (`pulseinfer serve` as OS processes): nothing leaks in either
 tier after many random requests, aborts and disconnects; a kv_store killed with -9 fails the
-requests that used it with a clear error, comes back, and serves new ones."""
+requests that used it with a clear error, comes back, and serves new ones; a recall deadline
+works through the kv_store's I/O engine."""
 
 from __future__ import annotations
 
@@ -131,3 +132,32 @@ def test_kill_9_of_a_worker_frees_its_host_blocks_and_the_cluster_recovers(clust
     cluster.wait_for(lambda: cluster.request("/health")[1].get("workers_alive") == 1, 120, "the restarted worker")
     assert "".join(e.choices[0].text for e in _long_stream(client, 60000, 8))
     cluster.wait_for(lambda: cluster.metric("host_kv_blocks_used") == 0, 30, "the host pool to be free")
+
+
+def test_deadline_truncates_through_the_kv_store_engine_and_frees_both_tiers():
+    """The worker's recalls go to the kv_store's I/O engine in parts; attention runs over what
+    landed, the rest is counted on /metrics; both tiers are free again afterwards."""
+    cluster = ServingCluster(*FLAGS, "--recall-deadline-ms", "0", "--host-kv-tokens", "16384")
+    KV_STORE_PIDS.add(cluster.children()["kv_store"])  # the module's fixture checks it left no segment
+    try:
+        client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+
+        def complete(start: int) -> str:
+            got = client.completions.create(model=MODEL, prompt=TEXT[start : start + 3000], max_tokens=8, temperature=0)
+            return got.choices[0].finish_reason
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            reasons = list(pool.map(complete, range(0, 40000, 5000)))
+        assert reasons == ["length"] * 8
+        assert cluster.metric("offloaded_admissions_total", worker="0") > 0
+        assert cluster.metric("kv_store_engine_recalls_total") > 0
+        # a 0 ms deadline: attention went on without blocks still in flight, and said so
+        assert 0 < cluster.metric("recall_truncated_units_total", worker="0") <= cluster.metric("recall_units_total", worker="0")
+
+        def drained() -> bool:
+            return cluster.metric("worker_device_kv_blocks_used", worker="0") == 0 and cluster.metric("host_kv_blocks_used") == 0
+
+        cluster.wait_for(drained, 60, "both tiers to be free again")
+        assert cluster.metric("kv_allocators_corrupt") == 0
+    finally:
+        assert cluster.stop() == 0
