@@ -1,7 +1,8 @@
-"""Time the compute waits on recalls: synchronous recall, layer-ahead recall, and layer-ahead
-recall with a per-layer deadline, side by side in one run (the same offloaded requests decoded
-three times on one loaded model). With the deadline, the wait includes the step's end, where the
-recalls it left behind land; the blocks attention went without are counted.
+"""Time the compute waits on recalls: synchronous recall, suspension alone (rows whose recalls
+are in flight attend after the others), layer-ahead recall without and with suspension, and
+layer-ahead recall with a per-layer deadline, side by side in one run (the same offloaded
+requests decoded five times on one loaded model). With the deadline, the wait includes the
+step's end, where the recalls it left behind land; the blocks attention went without are counted.
 
     python -m bench.layer_ahead [--requests 4] [--context 4096] [--output-tokens 32] [--budget 512]
                                 [--deadline-ms 0] [--json OUT]
@@ -39,9 +40,15 @@ def main() -> None:
     prompts = [ids[i * stride : i * stride + args.context] for i in range(args.requests)]
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     results, tokens = {}, {}
-    runs = (("synchronous", "off", None), ("layer_ahead", "on", None), ("layer_ahead_deadline", "on", args.deadline_ms))
-    for name, ahead, deadline in runs:
-        offload = OffloadConfig(budget=args.budget, layer_ahead=ahead, recall_deadline_ms=deadline)
+    runs = (
+        ("synchronous", "off", False, None),
+        ("suspension", "off", True, None),
+        ("layer_ahead", "on", False, None),
+        ("layer_ahead_suspension", "on", True, None),
+        ("layer_ahead_deadline", "on", False, args.deadline_ms),
+    )
+    for name, ahead, suspend, deadline in runs:
+        offload = OffloadConfig(budget=args.budget, layer_ahead=ahead, suspend=suspend, recall_deadline_ms=deadline)
         worker = WorkerConfig(device_kv_tokens=65536, offload=offload)
         engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload="always")), loaded)
         started = time.perf_counter()
@@ -55,13 +62,13 @@ def main() -> None:
             "prefetched_units": stats["prefetched_units"],
             "corrected_units": stats["corrected_units"],
             "truncated_units_per_step": stats["truncated_units"] / steps,
+            "suspended_rows_per_step": stats["suspended_rows"] / steps,
         }
         print(name, json.dumps(results[name]), flush=True)
     synchronous = results["synchronous"]["io_wait_ms_per_step"]
     summary = {
-        "io_wait_ratio": results["layer_ahead"]["io_wait_ms_per_step"] / synchronous,
-        "identical_tokens": tokens["layer_ahead"] == tokens["synchronous"],
-        "deadline_io_wait_ratio": results["layer_ahead_deadline"]["io_wait_ms_per_step"] / synchronous,
+        **{f"{name}_io_wait_ratio": results[name]["io_wait_ms_per_step"] / synchronous for name, *_ in runs[1:]},
+        "identical_tokens": all(tokens[name] == tokens["synchronous"] for name, *_ in runs[1:-1]),
         "deadline_token_agreement": agreement(tokens["layer_ahead_deadline"], tokens["synchronous"]),
     }
     print(json.dumps(summary))

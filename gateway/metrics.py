@@ -114,6 +114,10 @@ class GatewayMetrics:
             "recall_truncated_units": Counter(
                 p + "recall_truncated_units_total", "Selected units attention ran without: their recall missed the layer's deadline."
             ),
+            "recall_suspended_rows": Counter(
+                p + "recall_suspended_rows_total",
+                "Decode rows that waited at a layer for their recalls while the other rows attended.",
+            ),
             "link_bytes_per_s": Gauge(p + "admission_link_bytes_per_second", "Bandwidth the recalls achieved while copying (EMA)."),
             "recall_bytes_per_offloaded_step": Gauge(
                 p + "admission_recall_bytes_per_offloaded_step", "Recall bytes one offloaded request adds per decode step (EMA)."

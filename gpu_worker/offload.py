@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, replace
@@ -78,6 +78,12 @@ class OffloadConfig:
     # for every recall. Pulse mode only: a head-wise row cannot drop blocks of some heads alone.
     # On CUDA a part has "landed" once queued on the stream ahead of attention: nothing is cut
     recall_deadline_ms: float | None = None
+    # a decode row whose recalls are still in flight at a layer waits while the batch's other rows
+    # attend (the misses then copy on the I/O thread, not in line); pulse mode only, the head-wise
+    # baseline recalls synchronously. No effect with a recall deadline (it never waits past it).
+    # Off by default: on the CPU nearly every row misses a block at every layer, so few rows can
+    # go ahead and the hand-off to the I/O thread made the wait longer (docs/benchmarks.md)
+    suspend: bool = False
     # evals: on each decode step also compute dense attention over the whole context, to report
     # the share of its mass the selection keeps (reads every host block: slow)
     measure_attention_mass: bool = False
@@ -128,6 +134,9 @@ def by_rank(ranked: list[list[T]]) -> list[T]:
     """Every list's first item, then every second one, ...: a batch's recalls in score order
     across its rows (and a row's heads), so a deadline cuts the lowest-ranked blocks."""
     return [item for tier in zip_longest(*ranked) for item in tier if item is not None]
+
+
+DecodePhase = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]  # decode rows (None: all), their tables, their lengths
 
 
 class Recall(NamedTuple):
@@ -244,6 +253,7 @@ class OffloadManager:
         if per_head and config.recall_deadline_ms is not None:
             raise ValueError("--recall-deadline-ms needs --mode pulse (head-wise recalls are synchronous)")
         self.deadline_s = config.recall_deadline_s
+        self.suspend = config.suspend and not per_head
         self.num_layers = cache.shape.num_layers
         self.view = host.view
         self.allocator = host.allocator
@@ -366,6 +376,7 @@ class OffloadManager:
             "prefetched_units": r.prefetched_units,
             "corrected_units": r.corrected_units,
             "truncated_units": r.truncated_units,
+            "suspended_rows": r.suspended_rows,
             "io_wait_seconds": r.io_wait_s,
             "io_busy_seconds": r.io_busy_s,
             "attention_mass": self.mass.mean if self.mass else None,
@@ -461,14 +472,46 @@ class OffloadStep:
             self.manager.add_recall(prefetched_units=len(recalls))
             self._count(layer, recalls)
 
-    def decode_tables(self, layer: int, cache: PagedKVCache, q: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's decode block tables for this layer, offloaded rows selected with the true
-        query and recalled ([b, max_blocks], or [b, kv_heads, max_blocks] in headwise mode)."""
-        manager, g = self.manager, self.geometry
-        if manager.deadline_s is None:
-            selections, in_flight = self._recall_all(layer, cache, q), set()
+    def decode_phases(self, layer: int, cache: PagedKVCache, q: torch.Tensor, batch: ForwardBatch) -> Iterator[DecodePhase]:
+        """The batch's decode rows for this layer in the order they can attend, offloaded rows
+        selected with the true query and recalled: (rows, or None for all of them; block tables
+        [rows, max_blocks] or [rows, kv_heads, max_blocks] in headwise mode; context lengths).
+        With suspension the rows whose recalls are still in flight wait in a second phase while
+        the others attend, and attend once their recalls land."""
+        manager = self.manager
+        if manager.deadline_s is not None:
+            selections = self._start_recalls(layer, cache, q)
+            in_flight = self._timed(self._settle, layer, time.perf_counter() + manager.deadline_s)
+        elif manager.suspend:
+            selections, in_flight = self._start_recalls(layer, cache, q), set()
         else:
-            selections, in_flight = self._recall_until_deadline(layer, cache, q, manager.deadline_s)
+            selections, in_flight = self._recall_all(layer, cache, q), set()
+        tables, lens = self._tables(layer, cache, q, batch, selections, in_flight)
+        waiting = self._waiting_rows(layer)
+        if not waiting:
+            self._timed(self._settle, layer, None)  # landed already: nothing to wait for
+            yield None, tables, lens
+            return
+        manager.add_recall(suspended_rows=len(waiting))
+        ready = torch.tensor([r for r in range(len(batch.decode_rows)) if r not in waiting], dtype=torch.long, device=q.device)
+        if ready.numel():
+            yield ready, tables[ready], lens[ready]
+        self._timed(self._settle, layer, None)
+        later = torch.tensor(sorted(waiting), dtype=torch.long, device=q.device)
+        yield later, tables[later], lens[later]
+
+    def _tables(
+        self,
+        layer: int,
+        cache: PagedKVCache,
+        q: torch.Tensor,
+        batch: ForwardBatch,
+        selections: dict[int, list[list[int]]],
+        in_flight: set[tuple[str, int, int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decode row's blocks for this layer, the offloaded rows' selections less the units
+        a deadline left in flight (counted as truncated)."""
+        manager, g = self.manager, self.geometry
         if layer == 0:
             manager.decoded_rows += len(self.decode_rows)
         rows, lens, truncated = list(batch.decode_rows), batch.decode_ctx_lens.clone(), 0
@@ -484,6 +527,10 @@ class OffloadStep:
         manager.add_recall(truncated_units=truncated)
         return pad_tables(rows).to(q.device), lens
 
+    def _waiting_rows(self, layer: int) -> set[int]:
+        """Decode rows with a unit of this layer still in flight on the I/O thread."""
+        return {self.decode_rows[u.seq_id] for job in self.pending.get(layer, []) for u in job.units[job.landed :]}
+
     def _recall_all(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> dict[int, list[list[int]]]:
         """Every selected block lands before attention: the layer-ahead recall first (the true
         query's misses may take its blocks), then the misses, copied on this thread."""
@@ -494,17 +541,14 @@ class OffloadStep:
             self._timed(self._recall, layer, cache, RecallJob(recalls))
         return selections
 
-    def _recall_until_deadline(
-        self, layer: int, cache: PagedKVCache, q: torch.Tensor, deadline_s: float
-    ) -> tuple[dict[int, list[list[int]]], set[tuple[str, int, int]]]:
-        """The misses queue behind the layer-ahead recall on the I/O thread (blocks reused in
-        the order they were assigned); attention runs over what landed within the deadline.
-        Returns the selections and the selected units still in flight."""
+    def _start_recalls(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> dict[int, list[list[int]]]:
+        """Selects with the true query; its misses queue behind the layer-ahead recall on the I/O
+        thread (so blocks are written in the order they were assigned)."""
         selections, recalls = self._plan(layer, q)
         if recalls:
             self._correct(layer, recalls)
             self._submit(layer, cache, recalls)
-        return selections, self._timed(self._settle, layer, time.perf_counter() + deadline_s)
+        return selections
 
     def _correct(self, layer: int, recalls: list[Recall]) -> None:
         self._count(layer, recalls)

@@ -279,6 +279,7 @@ RECALL_STATS_FIELDS = (  # WorkerStats' names for RecallStats' fields, in order
     "recall_corrected_units",
     "recall_io_busy_s",
     "recall_truncated_units",
+    "recall_suspended_rows",
 )
 
 

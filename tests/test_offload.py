@@ -44,11 +44,13 @@ def _assert_all_freed(engine: Engine) -> None:
 def test_full_budget_offload_equals_dense_at_2k_and_4k(model, corpus):
     prompts = [corpus[: 2048 - 32], corpus[20000 : 20000 + 4096 - 32]]  # contexts end at 2k and 4k tokens
     dense = _engine(model, "never", 16384).generate(prompts, GREEDY_32)
-    offloaded_engine = _engine(model, "always", 16384, sink=64, recent=256, budget=4096)
+    # layer-ahead recall and suspension on: they change when blocks land, never what is attended
+    offloaded_engine = _engine(model, "always", 16384, sink=64, recent=256, budget=4096, layer_ahead="on", suspend=True)
     offloaded = offloaded_engine.generate(prompts, GREEDY_32)
     assert [c.token_ids for c in offloaded] == [c.token_ids for c in dense]
     assert all(c.offloaded for c in offloaded)
     stats = offloaded_engine.runner.offload.stats()
+    assert stats["prefetched_units"] > 0 and stats["suspended_rows"] > 0
     stored = [len(p) + GREEDY_32.max_tokens - 1 for p in prompts]  # the last sampled token's KV is never computed
     assert stats["written_blocks"] == sum(n // 16 - 64 // 16 for n in stored)  # every full block past the sink, once
     assert stats["recalled_units"] > 0
@@ -71,20 +73,26 @@ def test_full_budget_offload_equals_dense_on_cuda(model, corpus):
 
 
 @pytest.mark.parametrize("mode", ["pulse", "headwise"])
-def test_layer_ahead_recall_changes_timing_never_tokens(model, corpus, mode):
+def test_layer_ahead_recall_and_suspension_change_timing_never_tokens(model, corpus, mode):
     """At a sparse budget the predicted selection misses blocks; the true query's selection
-    recalls them, so the attended blocks (and tokens) are those of synchronous recall."""
-    prompts = [corpus[:1000], corpus[7000:8300]]
+    recalls them, so the attended blocks (and tokens) are those of synchronous recall. Rows
+    whose recalls are in flight attend after the others (pulse mode): the same tokens again."""
+    prompts = [corpus[:1000], corpus[7000:8300], corpus[12000:12600]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runs = {}
     for ahead in (False, True):
-        engine = _engine(model, "always", 16384, mode=mode, sink=32, recent=64, budget=128, layer_ahead="on" if ahead else "off")
+        engine = _engine(
+            model, "always", 16384, mode=mode, sink=32, recent=64, budget=128, layer_ahead="on" if ahead else "off", suspend=ahead
+        )
         runs[ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
         _assert_all_freed(engine)
     assert runs[True][0] == runs[False][0]
     synchronous, ahead = runs[False][1], runs[True][1]
     assert synchronous["prefetched_units"] == 0 and ahead["prefetched_units"] > 0
     assert 0 < ahead["corrected_units"] < ahead["recalled_units"]  # predictions miss some blocks and hit others
+    assert synchronous["suspended_rows"] == 0
+    if mode == "pulse":  # head-wise recalls stay synchronous, the baseline's
+        assert ahead["suspended_rows"] > 0
 
 
 def test_recall_deadline_that_never_expires_changes_nothing(model, corpus):

@@ -107,11 +107,12 @@ class LlamaModel:
         block = cache.spec.block_size
         out = torch.empty_like(q)
         if batch.decode_index.numel():
-            q_decode = q[batch.decode_index]
-            tables, lens = batch.decode_block_tables, batch.decode_ctx_lens
+            phases = [(None, batch.decode_block_tables, batch.decode_ctx_lens)]
             if offload is not None:
-                tables, lens = offload.decode_tables(index, cache, q_decode, batch)
-            out[batch.decode_index] = self._decode_attention(q_decode, k_cache, v_cache, tables, lens, block)
+                phases = offload.decode_phases(index, cache, q[batch.decode_index], batch)
+            for rows, tables, lens in phases:  # rows whose recalls are in flight come last
+                target = batch.decode_index if rows is None else batch.decode_index[rows]
+                out[target] = self._decode_attention(q[target], k_cache, v_cache, tables, lens, block)
         for span in batch.prefills:
             q_span = q[span.start : span.end]
             if span.ctx_blocks is None:
