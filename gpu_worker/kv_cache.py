@@ -39,9 +39,7 @@ class PagedKVCache:
         self.shape = CacheShape(config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim, spec.block_size)
         self.segment = segment
         if segment is None:
-            s = self.shape
-            self.k = _zeroed((s.num_layers, s.slots, s.kv_heads, s.head_dim), dtype, device)
-            self.v = _zeroed((s.num_layers, s.slots, s.kv_heads, s.head_dim), dtype, device)
+            self.k, self.v = _zeroed(self.shape.dims, dtype, device), _zeroed(self.shape.dims, dtype, device)
             return
         if device.type != "cpu":
             raise ValueError("a KV cache in shared memory is for CPU workers (CUDA workers export device buffers instead)")
@@ -69,6 +67,5 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     multi-GB memset at start-up."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, math.prod(shape) * itemsize)
+    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)

@@ -11,6 +11,7 @@ so an idle engine and an idle worker spin on nothing).
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import threading
@@ -46,14 +47,18 @@ class CacheShape:
     def of_target(cls, request: pb.OpenRecallTarget) -> CacheShape:
         return cls(**{f.name: getattr(request, f.name) for f in dataclasses.fields(cls)})
 
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """K's (and V's) tensor shape: [num_layers, slots, kv_heads, head_dim]."""
+        return (self.num_layers, self.slots, self.kv_heads, self.head_dim)
+
     def segment_bytes(self, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return HEADER_BYTES + 2 * self.num_layers * self.slots * self.kv_heads * self.head_dim * element
+        return HEADER_BYTES + 2 * math.prod(self.dims) * dtype.itemsize
 
     def tensors(self, buffer: mmap.mmap, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(header, k, v) over a cache segment; k and v: [num_layers, slots, kv_heads, head_dim]."""
         header = torch.frombuffer(buffer, dtype=torch.int64, count=HEADER_BYTES // 8)
-        kv = torch.frombuffer(buffer, dtype=dtype, offset=HEADER_BYTES).view(2, self.num_layers, self.slots, self.kv_heads, self.head_dim)
+        kv = torch.frombuffer(buffer, dtype=dtype, offset=HEADER_BYTES).view(2, *self.dims)
         return header, kv[0], kv[1]
 
 
@@ -100,7 +105,7 @@ class RecallEngine:
         self._lock = threading.Lock()  # targets are opened and dropped on the control thread, used on the engine's
 
     def open(self, request: pb.OpenRecallTarget) -> None:
-        unit = unit_bytes(request.kv_heads, request.block_size, request.head_dim, torch.empty((), dtype=self.dtype).element_size())
+        unit = unit_bytes(request.kv_heads, request.block_size, request.head_dim, self.dtype.itemsize)
         if unit != self.geometry.unit_bytes or request.num_layers != self.geometry.num_layers:
             raise ValueError(
                 f"recall target {request.shm_name}: {request.num_layers} layers of {unit}-byte units do not match the pool's "

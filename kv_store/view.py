@@ -38,7 +38,7 @@ class PoolView:
     @classmethod
     def attach(cls, layout: kv_store_pb2.PoolLayout, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
         """Maps the kv_store's segment named in `layout` (pre-faulted: no minor faults on the first recalls)."""
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         unit = unit_bytes(kv_heads, block_size, head_dim, element)
         if unit != layout.unit_bytes:
             raise PoolMismatch(
@@ -57,7 +57,7 @@ class PoolView:
     @classmethod
     def private(cls, num_blocks: int, num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
         """A pool of this process alone (the in-process engine): anonymous memory, zero and faulted in lazily."""
-        unit = unit_bytes(kv_heads, block_size, head_dim, torch.empty((), dtype=dtype).element_size())
+        unit = unit_bytes(kv_heads, block_size, head_dim, dtype.itemsize)
         buffer = mmap.mmap(-1, num_blocks * num_layers * unit)
         return cls(buffer, num_blocks, num_layers, kv_heads, block_size, head_dim, dtype)
 
