@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from gpu_worker.model.llama import LlamaModel, rms_norm
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.offload import OffloadConfig, OffloadGeometry
-from kernels.scoring import quest_scores
+from kernels.scoring import quest_scores, quest_weights
 from kernels.summary import block_minmax
 from pulseinfer.evals import default_text
 from pulseinfer.flags import add_flags, from_flags
@@ -74,7 +74,8 @@ def _head_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
 
 
 def quest(x: ScoringInput) -> torch.Tensor:
-    return quest_scores(x.q, *block_minmax(x.blocks)).sum(dim=0)
+    kmin, kmax = block_minmax(x.blocks)
+    return quest_scores(quest_weights(x.q, kmin.shape[1]), kmin, kmax, per_head=False)[0]
 
 
 def softmax(x: ScoringInput) -> torch.Tensor:

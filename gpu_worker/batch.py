@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ class ForwardBatch:
     write_slots: torch.Tensor  # [R] where each of those tokens' k/v goes
     decode_index: torch.Tensor  # [b] flat index of the single token of each decode chunk
     decode_seq_ids: tuple[str, ...]  # [b]
-    decode_rows: tuple[torch.Tensor, ...]  # [b] block table rows (offloaded rows: placeholders filled per layer)
+    decode_rows: tuple[list[int], ...]  # [b] block table rows (offloaded rows: placeholders filled per layer)
     decode_block_tables: torch.Tensor  # [b, max_blocks], decode_rows padded
     decode_ctx_lens: torch.Tensor  # [b]
     prefills: tuple[PrefillSpan, ...]
@@ -52,7 +53,7 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Forwar
         input_ids.extend(chunk.token_ids)
         positions.append(torch.arange(chunk.start_pos, chunk.end_pos))
         # an offloaded chunk's table is its device footprint, not position-indexed: the offload step places its tokens
-        blocks = torch.tensor(chunk.block_table[: 1 if chunk.offloaded else -(-chunk.end_pos // block_size)], dtype=torch.long)
+        blocks = list(chunk.block_table[: 1 if chunk.offloaded else -(-chunk.end_pos // block_size)])
         if not chunk.offloaded:
             resident_index.append(torch.arange(offset, offset + n))
             write_slots.append(token_slots(chunk.block_table, chunk.start_pos, chunk.end_pos, block_size))
@@ -62,7 +63,7 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Forwar
             decode_rows.append(blocks)
             decode_lens.append(chunk.end_pos)
         else:
-            ctx_blocks = None if chunk.offloaded else blocks.to(device)
+            ctx_blocks = None if chunk.offloaded else torch.tensor(blocks, dtype=torch.long, device=device)
             prefills.append(PrefillSpan(chunk.seq_id, offset, offset + n, ctx_blocks, chunk.end_pos))
         offset += n
         if chunk.sampling is not None:
@@ -90,15 +91,14 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Forwar
     )
 
 
-def pad_tables(rows: list[torch.Tensor]) -> torch.Tensor:
+def pad_tables(rows: Sequence[list[int] | list[list[int]]]) -> torch.Tensor:
     """Pads each row with its own first block, so padding never points at unwritten memory. Rows
-    are [n], or [kv_heads, n] where each kv head attends its own blocks: then every row becomes
-    per-head ([b, kv_heads, width]), shared rows repeated for each head."""
-    width = max((r.shape[-1] for r in rows), default=0)
-    heads = next((r.shape[0] for r in rows if r.dim() == 2), None)
-    padded = torch.empty((len(rows), width) if heads is None else (len(rows), heads, width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        n = row.shape[-1]
-        padded[i, ..., :n] = row
-        padded[i, ..., n:] = row[..., :1]
-    return padded
+    are lists of blocks, or one list per kv head where each kv head attends its own blocks: then
+    every row becomes per-head ([b, kv_heads, width]), shared rows repeated for each head."""
+    if not rows:
+        return torch.empty((0, 0), dtype=torch.long)
+    per_head = next((row for row in rows if isinstance(row[0], list)), None)
+    nested = [row if isinstance(row[0], list) else [row] * (len(per_head) if per_head else 1) for row in rows]
+    width = max(len(row[0]) for row in nested)
+    table = torch.tensor([[group + group[:1] * (width - len(group)) for group in row] for row in nested], dtype=torch.long)
+    return table if per_head else table[:, 0]

@@ -191,6 +191,8 @@ class OffloadedSeq:
         self.summaries = summaries
         # [layer][group]: logical -> device block, least recently used first
         self.hot: list[list[OrderedDict[int, int]]] = [[OrderedDict() for _ in range(groups)] for _ in range(num_layers)]
+        # [layer][group]: hot device blocks no block has taken yet, popped in footprint order
+        self.unused = [[list(reversed(self.hot_pool)) for _ in range(groups)] for _ in range(num_layers)]
 
     def device_block(self, logical: int, length: int) -> int:
         """The device block of a sink or window block of a context of `length` tokens."""
@@ -204,30 +206,22 @@ class OffloadedSeq:
         """Updates the layer's hot buffers for a selection of host-tier blocks (logical ids, one
         list per group, best first); returns the misses as (logical block, group, device block
         to fill), by rank across the groups."""
-        fills = [self._fill(self.hot[layer][group], chosen) for group, chosen in enumerate(selected)]
+        fills = [self._fill(self.hot[layer][group], self.unused[layer][group], chosen) for group, chosen in enumerate(selected)]
         return by_rank([[(logical, group, dev) for logical, dev in group_fills] for group, group_fills in enumerate(fills)])
 
-    def _fill(self, hot: OrderedDict[int, int], selected: list[int]) -> list[tuple[int, int]]:
-        """Least recently used blocks outside the selection make room for the misses."""
-        misses = [b for b in selected if b not in hot]
-        free = self._free_blocks(hot, set(selected), len(misses)) if misses else []  # none: the steady state
+    @staticmethod
+    def _fill(hot: OrderedDict[int, int], unused: list[int], selected: list[int]) -> list[tuple[int, int]]:
+        """The selected blocks present become the most recently used, so the blocks outside the
+        selection are the least: the misses take unused device blocks, then theirs, oldest first."""
+        misses = []
         for logical in selected:
             if logical in hot:
                 hot.move_to_end(logical)
-        fills = list(zip(misses, free))
+            else:
+                misses.append(logical)
+        fills = [(logical, unused.pop() if unused else hot.popitem(last=False)[1]) for logical in misses]
         hot.update(fills)
         return fills
-
-    def _free_blocks(self, hot: OrderedDict[int, int], chosen: set[int], count: int) -> list[int]:
-        """Device blocks for `count` misses: unused hot blocks, then the least recently used ones outside the selection."""
-        used = set(hot.values())
-        free = [d for d in self.hot_pool if d not in used]
-        for logical in list(hot):
-            if len(free) >= count:
-                break
-            if logical not in chosen:
-                free.append(hot.pop(logical))
-        return free
 
     def decode_row(self, layer: int, selected: list[list[int]]) -> list[list[int]]:
         """Device blocks attended at this layer, one row per group, in logical order: sink, selected, window."""
@@ -516,11 +510,12 @@ class OffloadStep:
             manager.decoded_rows += len(self.decode_rows)
         rows, lens, truncated = list(batch.decode_rows), batch.decode_ctx_lens.clone(), 0
         for seq_id, row in self.decode_rows.items():
-            seq = self.by_id[seq_id]
-            landed = [[j for j in chosen if (seq_id, group, j) not in in_flight] for group, chosen in enumerate(selections[row])]
-            truncated += sum(map(len, selections[row])) - sum(map(len, landed))
+            seq, landed = self.by_id[seq_id], selections[row]
+            if in_flight:
+                landed = [[j for j in chosen if (seq_id, group, j) not in in_flight] for group, chosen in enumerate(landed)]
+                truncated += sum(map(len, selections[row])) - sum(map(len, landed))
             table = seq.decode_row(layer, landed)
-            rows[row] = torch.tensor(table if manager.per_head else table[0], dtype=torch.long)
+            rows[row] = table if manager.per_head else table[0]
             lens[row] = (len(table[0]) - 1) * g.block_size + (seq.length - 1) % g.block_size + 1
             if manager.mass is not None:
                 self._measure(layer, cache, q[row], seq, landed)
@@ -565,13 +560,15 @@ class OffloadStep:
     def _plan(self, layer: int, q: torch.Tensor) -> tuple[dict[int, list[list[int]]], list[Recall]]:
         """Selects each decode row's blocks for query q (one row per decode sequence) and updates
         its hot buffer: the selections by row, and the misses by rank across the rows."""
-        g, per_head = self.geometry, self.manager.per_head
+        g = self.geometry
+        rows = list(self.decode_rows.items())
+        seqs = [self.by_id[seq_id] for seq_id, _ in rows]
+        summaries = [seq.summaries.hosted(layer, g.window_start(seq.length) - g.sink_blocks) for seq in seqs]
+        index = torch.tensor([row for _, row in rows], dtype=torch.long, device=q.device)
+        picks = select_blocks(q[index], summaries, g.hot_blocks, self.manager.per_head)
         selections, ranked = {}, []
-        for seq_id, row in self.decode_rows.items():
-            seq = self.by_id[seq_id]
-            hosted = g.window_start(seq.length) - g.sink_blocks
-            kmin, kmax = seq.summaries.kmin[layer, :hosted], seq.summaries.kmax[layer, :hosted]
-            selected = [[g.sink_blocks + i for i in chosen] for chosen in select_blocks(q[row], kmin, kmax, g.hot_blocks, per_head)]
+        for (seq_id, row), seq, chosen in zip(rows, seqs, picks):
+            selected = [[g.sink_blocks + i for i in group] for group in chosen]
             misses = seq.recall_plan(layer, selected)
             ranked.append([Recall(seq_id, j, group, seq.host_blocks[j - g.sink_blocks], dev) for j, group, dev in misses])
             selections[row] = selected

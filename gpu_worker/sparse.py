@@ -9,10 +9,11 @@ recalls fragment into one K run and one V run per (block, head).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from kernels.scoring import quest_scores
+from kernels.scoring import quest_scores, quest_weights
 from kernels.summary import block_minmax
 
 MODES = ("dense", "pulse", "headwise")
@@ -47,20 +48,35 @@ class BlockSummaries:
         n = k_blocks.shape[0]
         self.kmin[layer, first : first + n], self.kmax[layer, first : first + n] = block_minmax(k_blocks)
 
+    def hosted(self, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kmin, kmax [count, kv_heads, dim] of the layer's first `count` host blocks."""
+        return self.kmin[layer, :count], self.kmax[layer, :count]
 
-def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, budget: int, per_head: bool) -> list[list[int]]:
-    """The top-`budget` host blocks by the Quest bound of q (summed over each kv head's GQA group):
-    one set for all heads when not `per_head` (SoloHead), else one per kv head. q: [q_heads, dim];
-    kmin, kmax: [n, kv_heads, dim]. Returns one list per selection group (1 or kv_heads), highest
-    bound first: recalls go in that order, so a deadline cuts the least promising blocks."""
-    n, heads = kmin.shape[:2]
-    groups = heads if per_head else 1
-    if n <= budget:
-        return [list(range(n)) for _ in range(groups)]
-    scores = quest_scores(q, kmin, kmax)  # [kv_heads, n]
-    if not per_head:
-        scores = scores.sum(dim=0, keepdim=True)
-    return scores.topk(budget, dim=1).indices.tolist()
+
+def select_blocks(
+    q: torch.Tensor, summaries: Sequence[tuple[torch.Tensor, torch.Tensor]], budget: int, per_head: bool
+) -> list[list[list[int]]]:
+    """For each decode row, the top-`budget` of its host blocks by the Quest bound of its query
+    (summed over each kv head's GQA group): one set for all heads when not `per_head` (SoloHead),
+    else one per kv head. q: [rows, q_heads, dim]; summaries: per row (kmin, kmax) [n, kv_heads,
+    dim]. Returns per row one list per selection group (1 or kv_heads), highest bound first:
+    recalls go in that order, so a deadline cuts the least promising blocks. The rows' scores
+    (their block counts differ) go into one padded matrix: one top-k and one copy to the host
+    for the whole batch."""
+    if not summaries:
+        return []
+    kv_heads = summaries[0][0].shape[1]
+    groups = kv_heads if per_head else 1
+    counts = [kmin.shape[0] for kmin, _ in summaries]
+    over = [r for r, n in enumerate(counts) if n > budget]
+    top: dict[int, list[list[int]]] = {}
+    if over:
+        weights = quest_weights(q, kv_heads)
+        scores = torch.full((len(over), groups, max(counts[r] for r in over)), float("-inf"), device=q.device)
+        for i, r in enumerate(over):
+            scores[i, :, : counts[r]] = quest_scores(weights[r], *summaries[r], per_head)
+        top = dict(zip(over, scores.topk(budget, dim=-1).indices.tolist()))
+    return [top[r] if r in top else [list(range(n)) for _ in range(groups)] for r, n in enumerate(counts)]
 
 
 class AttentionMass:

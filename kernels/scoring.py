@@ -2,7 +2,8 @@
 group of query heads and over dims of max(q * kmax, q * kmin), which no key in the block exceeds.
 
 Since kmax >= kmin, max(q * kmax, q * kmin) = relu(q) * kmax + min(q, 0) * kmin: summing the
-group's positive and negative parts first turns the bound into two dot products per block."""
+group's positive and negative parts first (`quest_weights`, once per query) turns the bound into
+two dot products per block; summed over the kv heads too (SoloHead), two matrix-vector products."""
 
 from __future__ import annotations
 
@@ -11,24 +12,33 @@ import triton
 import triton.language as tl
 
 
-def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
-    if q.dim() != 2 or kmin.dim() != 3 or kmin.shape != kmax.shape or q.shape[1] != kmin.shape[2] or q.shape[0] % kmin.shape[1]:
-        raise ValueError(f"quest scores: q {tuple(q.shape)}, kmin {tuple(kmin.shape)}, kmax {tuple(kmax.shape)}")
+def quest_weights(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [..., q_heads, dim] -> [..., 2, kv_heads, dim] fp32: each GQA group's summed positive
+    parts (what kmax multiplies) and negative parts (what kmin multiplies)."""
+    if q.dim() < 2 or q.shape[-2] % kv_heads:
+        raise ValueError(f"quest scores: q {tuple(q.shape)} for {kv_heads} kv heads")
+    grouped = q.float().reshape(*q.shape[:-2], kv_heads, -1, q.shape[-1])  # [..., kv_heads, group, dim]
+    return torch.stack((grouped.clamp(min=0).sum(dim=-2), grouped.clamp(max=0).sum(dim=-2)), dim=-3)
 
 
-def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """q [q_heads, dim]; kmin, kmax [n, kv_heads, dim] -> scores [kv_heads, n] in fp32."""
-    _check(q, kmin, kmax)
-    heads, dim = kmin.shape[1:]
-    grouped = q.float().reshape(heads, -1, dim)  # [kv_heads, group, dim]
-    positive, negative = grouped.clamp(min=0).sum(dim=1), grouped.clamp(max=0).sum(dim=1)  # [kv_heads, dim]
-    return torch.einsum("hd,nhd->hn", positive, kmax.float()) + torch.einsum("hd,nhd->hn", negative, kmin.float())
+def _check(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
+    if weights.dim() != 3 or kmin.dim() != 3 or kmin.shape != kmax.shape or weights.shape[1:] != kmin.shape[1:]:
+        raise ValueError(f"quest scores: weights {tuple(weights.shape)}, kmin {tuple(kmin.shape)}, kmax {tuple(kmax.shape)}")
+
+
+def quest_scores_ref(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """weights [2, kv_heads, dim] (quest_weights of one query); kmin, kmax [n, kv_heads, dim] ->
+    scores [kv_heads, n] per kv head, or [1, n] summed over the heads, in fp32."""
+    _check(weights, kmin, kmax)
+    kmin, kmax = kmin.float(), kmax.float()
+    if per_head:
+        return torch.einsum("hd,nhd->hn", weights[0], kmax) + torch.einsum("hd,nhd->hn", weights[1], kmin)
+    n = kmin.shape[0]
+    return torch.mv(kmax.reshape(n, -1), weights[0].reshape(-1)).addmv_(kmin.reshape(n, -1), weights[1].reshape(-1))[None]
 
 
 @triton.jit
-def _quest_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, out_ptr, n, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, TILE: tl.constexpr
-):
+def _quest_kernel(w_ptr, kmin_ptr, kmax_ptr, out_ptr, n, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, TILE: tl.constexpr):
     head, tile = tl.program_id(0), tl.program_id(1).to(tl.int64)
     blocks = tile * TILE + tl.arange(0, TILE)
     d = tl.arange(0, DP)
@@ -36,38 +46,24 @@ def _quest_kernel(
     offsets = (blocks[:, None] * H + head) * D + d[None, :]
     kmin = tl.load(kmin_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     kmax = tl.load(kmax_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    positive = tl.zeros([DP], dtype=tl.float32)
-    negative = tl.zeros([DP], dtype=tl.float32)
-    for g in tl.static_range(G):
-        qg = tl.load(q_ptr + (head * G + g) * D + d, mask=d < D, other=0.0).to(tl.float32)
-        positive += tl.maximum(qg, 0.0)
-        negative += tl.minimum(qg, 0.0)
+    positive = tl.load(w_ptr + head * D + d, mask=d < D, other=0.0)
+    negative = tl.load(w_ptr + (H + head) * D + d, mask=d < D, other=0.0)
     score = tl.sum(kmax * positive[None, :] + kmin * negative[None, :], axis=1)
     tl.store(out_ptr + head * n + blocks, score, mask=blocks < n)
 
 
-def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, tile: int = 64) -> torch.Tensor:
+def quest_scores_triton(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_head: bool, tile: int = 64) -> torch.Tensor:
     """The same as quest_scores_ref: one program per (kv head, tile of blocks)."""
-    _check(q, kmin, kmax)
+    _check(weights, kmin, kmax)
     n, heads, dim = kmin.shape
-    out = torch.empty((heads, n), dtype=torch.float32, device=q.device)
+    out = torch.empty((heads, n), dtype=torch.float32, device=kmin.device)
     if n:
         grid = (heads, triton.cdiv(n, tile))
-        _quest_kernel[grid](
-            q.contiguous(),
-            kmin.contiguous(),
-            kmax.contiguous(),
-            out,
-            n,
-            H=heads,
-            G=q.shape[0] // heads,
-            D=dim,
-            DP=triton.next_power_of_2(dim),
-            TILE=tile,
-        )
-    return out
+        w = weights.float().contiguous()
+        _quest_kernel[grid](w, kmin.contiguous(), kmax.contiguous(), out, n, H=heads, D=dim, DP=triton.next_power_of_2(dim), TILE=tile)
+    return out if per_head else out.sum(dim=0, keepdim=True)
 
 
-def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+def quest_scores(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_head: bool) -> torch.Tensor:
     """The kernel on CUDA; the reference elsewhere."""
-    return quest_scores_triton(q, kmin, kmax) if q.is_cuda else quest_scores_ref(q, kmin, kmax)
+    return (quest_scores_triton if kmin.is_cuda else quest_scores_ref)(weights, kmin, kmax, per_head)

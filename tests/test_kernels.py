@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from kernels.attention import GatherWorkspace, paged_decode_attention  # noqa: E402
 from kernels.decode_triton import paged_decode_attention_triton  # noqa: E402
 from kernels.gather_scatter import recall, recall_ref, recall_triton  # noqa: E402
-from kernels.scoring import quest_scores, quest_scores_ref, quest_scores_triton  # noqa: E402
+from kernels.scoring import quest_scores, quest_scores_ref, quest_scores_triton, quest_weights  # noqa: E402
 from kernels.summary import block_minmax, block_minmax_ref, block_minmax_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,20 +47,24 @@ def test_quest_bound_holds_for_every_key():
     k = _randn(6, B, H, D, seed=11)
     k[2] = k[2, :1]  # block 2: one key repeated, so min == max == that key
     q = _randn(HQ, D, seed=12)
-    scores = quest_scores_ref(q, *block_minmax_ref(k))
+    kmin, kmax = block_minmax_ref(k)
+    scores = quest_scores_ref(quest_weights(q, H), kmin, kmax, per_head=True)
     dots = torch.einsum("ibhd,hd->hib", k, q.view(H, HQ // H, D).sum(dim=1))  # [kv_heads, n, tokens]
     assert (dots.amax(dim=2) <= scores + 1e-4).all()
     torch.testing.assert_close(scores[:, 2], dots[:, 2, 0], rtol=1e-5, atol=1e-4)
+    solo = quest_scores_ref(quest_weights(q, H), kmin, kmax, per_head=False)  # SoloHead: summed over the kv heads
+    torch.testing.assert_close(solo, scores.sum(dim=0, keepdim=True), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quest_scores(dtype):
-    q = _randn(HQ, D, dtype=dtype, seed=2)
+    weights = quest_weights(_randn(HQ, D, dtype=dtype, seed=2), H)
     kmin, kmax = block_minmax_ref(_randn(70, B, H, D, dtype=dtype, seed=3))  # 70 blocks: two tiles, the second partial
-    ours, ref = quest_scores_triton(q, kmin, kmax), quest_scores_ref(q, kmin, kmax)
-    assert ours.shape == (H, 70)
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-3)
-    assert torch.equal(ours.topk(8, dim=1).indices.sort().values, ref.topk(8, dim=1).indices.sort().values)
+    for per_head, groups in ((True, H), (False, 1)):
+        ours, ref = quest_scores_triton(weights, kmin, kmax, per_head), quest_scores_ref(weights, kmin, kmax, per_head)
+        assert ours.shape == (groups, 70)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-3)
+        assert torch.equal(ours.topk(8, dim=1).indices.sort().values, ref.topk(8, dim=1).indices.sort().values)
 
 
 def _decode_case(dtype: torch.dtype, per_head: bool):
@@ -139,7 +143,8 @@ def test_dispatchers_run_the_reference_on_cpu(monkeypatch):
     k = _randn(4, B, H, D)
     kmin, kmax = block_minmax(k)
     assert torch.equal(kmax, k.amax(dim=1))
-    torch.testing.assert_close(quest_scores(q := _randn(HQ, D), kmin, kmax), quest_scores_ref(q, kmin, kmax))
+    weights = quest_weights(_randn(HQ, D), H)
+    torch.testing.assert_close(quest_scores(weights, kmin, kmax, True), quest_scores_ref(weights, kmin, kmax, True))
     units, index, (k_cache, v_cache), dst = _recall_case(torch.float32)
     recall(units, index, k_cache, v_cache, dst)
     assert torch.equal(k_cache.view(-1, B, H, D)[3], units[5, 0].transpose(0, 1))
@@ -152,7 +157,9 @@ def test_shape_errors_are_clear():
         cache = _randn(H, 4 * B, D).transpose(0, 1)
         recall_triton(_randn(2, 2, H, B, D), torch.tensor([0]), cache, cache, torch.tensor([0]))
     with pytest.raises(ValueError, match="quest scores"):
-        quest_scores_ref(_randn(HQ, 32), _randn(3, H, D), _randn(3, H, D))
+        quest_scores_ref(quest_weights(_randn(HQ, 32), H), _randn(3, H, D), _randn(3, H, D), per_head=True)
+    with pytest.raises(ValueError, match="quest scores"):
+        quest_weights(_randn(HQ, D), 4)  # 9 query heads do not split into 4 groups
     with pytest.raises(ValueError, match="key blocks"):
         block_minmax_triton(_randn(3, B, D))
     with pytest.raises(ValueError, match="block_tables"):

@@ -188,7 +188,7 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     summaries.reserve(blocks)
     summaries.write(0, 0, keys)
     q = torch.randn(kv_heads * group, dim)
-    (picked,) = select_blocks(q, summaries.kmin[0, :blocks], summaries.kmax[0, :blocks], 4, per_head=False)
+    ((picked,),) = select_blocks(q[None], [summaries.hosted(0, blocks)], 4, per_head=False)
     grouped = q.view(kv_heads, group, dim)
     bound = [
         sum(torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for h in range(kv_heads))
@@ -198,14 +198,32 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     for b in range(blocks):  # an upper bound of every token's q.k summed over the heads
         exact = torch.einsum("hgd,thd->t", grouped, keys[b]).max().item()
         assert bound[b] >= exact - 1e-4
-    assert select_blocks(q, summaries.kmin[0, :3], summaries.kmax[0, :3], 4, per_head=False) == [[0, 1, 2]]
-    per_head = select_blocks(q, summaries.kmin[0, :blocks], summaries.kmax[0, :blocks], 4, per_head=True)
+    assert select_blocks(q[None], [summaries.hosted(0, 3)], 4, per_head=False) == [[[0, 1, 2]]]
+    (per_head,) = select_blocks(q[None], [summaries.hosted(0, blocks)], 4, per_head=True)
     for h, chosen in enumerate(per_head):  # head-wise: each kv head's own top 4 by its group's bound
         head_bound = [
             torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for b in range(blocks)
         ]
         assert chosen == sorted(range(blocks), key=lambda b: -head_bound[b])[:4]
     assert len({tuple(c) for c in per_head}) > 1  # the heads disagree: head-wise recalls fragment
+
+
+def test_a_batch_selects_what_each_row_selects_alone():
+    """Rows of different lengths share one padded top-k: short rows keep all their blocks, the
+    padding never gets picked, and each row gets what it would get on its own."""
+    torch.manual_seed(1)
+    kv_heads, dim, budget = 3, 8, 4
+    summaries = BlockSummaries(1, kv_heads, dim, torch.device("cpu"))
+    summaries.reserve(12)
+    summaries.write(0, 0, torch.randn(12, 16, kv_heads, dim))
+    q = torch.randn(4, 3 * kv_heads, dim)
+    counts = [12, 3, 5, 12]
+    for per_head in (False, True):
+        batch = select_blocks(q, [summaries.hosted(0, n) for n in counts], budget, per_head)
+        alone = [select_blocks(q[r : r + 1], [summaries.hosted(0, n)], budget, per_head)[0] for r, n in enumerate(counts)]
+        assert batch == alone
+        assert batch[1] == [[0, 1, 2]] * len(batch[1]) and all(max(group) < 5 for group in batch[2])
+    assert select_blocks(q[:0], [], budget, False) == []
 
 
 def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():
@@ -230,6 +248,6 @@ def test_headwise_hot_buffer_keeps_one_lru_per_kv_head():
 
 
 def test_pad_tables_makes_shared_rows_per_head_when_any_row_is():
-    shared, per_head = torch.tensor([7, 8]), torch.tensor([[1, 2, 3], [4, 5, 6]])
-    assert pad_tables([shared, torch.tensor([9])]).tolist() == [[7, 8], [9, 9]]
+    shared, per_head = [7, 8], [[1, 2, 3], [4, 5, 6]]
+    assert pad_tables([shared, [9]]).tolist() == [[7, 8], [9, 9]]
     assert pad_tables([shared, per_head]).tolist() == [[[7, 8, 7], [7, 8, 7]], [[1, 2, 3], [4, 5, 6]]]
