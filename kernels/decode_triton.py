@@ -29,25 +29,29 @@ def _decode_kernel(
     G: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
+    DP: tl.constexpr,
     B: tl.constexpr,
+    BP: tl.constexpr,
 ):
     row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     g = tl.arange(0, GP)[:, None]
-    d = tl.arange(0, D)[None, :]
-    t = tl.arange(0, B)
+    d = tl.arange(0, DP)[None, :]  # tiles are powers of two: lanes past the head dim and the block are masked
+    t = tl.arange(0, BP)
+    q_mask = (g < G) & (d < D)
     q_offsets = ((row * H + head) * G + g) * D + d
-    q = tl.load(q_ptr + q_offsets, mask=g < G, other=0.0).to(tl.float32)  # [GP, D]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [GP, DP]
     length = tl.load(lens_ptr + row)
     best = tl.full([GP], float("-inf"), tl.float32)
     total = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
     for j in range(0, tl.minimum(tl.cdiv(length, B), max_blocks)):  # like the reference: a table holds at most max_blocks
         block = tl.load(tables_ptr + (row * H + head) * max_blocks + j).to(tl.int64)
-        valid = (j * B + t) < length
+        valid = (t < B) & ((j * B + t) < length)
         kv_offsets = ((block * B + t[:, None]) * H + head) * D + d
-        k = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(tl.float32)  # [B, D]
-        v = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, B]
+        kv_mask = valid[:, None] & (d < D)
+        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [BP, DP]
+        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, BP]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         p = tl.exp(scores - new_best[:, None])
@@ -56,7 +60,7 @@ def _decode_kernel(
         acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         best = new_best
     total = tl.where(total > 0, total, 1.0)  # an empty context gives 0 (as the reference does), not 0/0
-    tl.store(out_ptr + q_offsets, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=g < G)
+    tl.store(out_ptr + q_offsets, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block: int) -> None:
@@ -74,8 +78,6 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
         raise ValueError(f"decode attention: block_tables ({tables.dtype}) and ctx_lens ({lens.dtype}) must be integers")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("decode attention kernel: the k/v caches must be contiguous (the kernel computes slot offsets)")
-    if block & (block - 1) or q.shape[2] & (q.shape[2] - 1):
-        raise ValueError(f"decode attention kernel: block size {block} and head dim {q.shape[2]} must be powers of two")
 
 
 def paged_decode_attention_triton(
@@ -95,6 +97,7 @@ def paged_decode_attention_triton(
     group = q_heads // heads
     _decode_kernel[(batch, heads)](
         q, k_cache, v_cache, tables, ctx_lens.contiguous(), out, tables.shape[2], 1.0 / math.sqrt(dim),
-        H=heads, G=group, GP=triton.next_power_of_2(group), D=dim, B=block_size,
+        H=heads, G=group, GP=triton.next_power_of_2(group), D=dim, DP=triton.next_power_of_2(dim),
+        B=block_size, BP=triton.next_power_of_2(block_size),
     )  # fmt: skip
     return out

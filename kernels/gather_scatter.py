@@ -51,7 +51,18 @@ def recall_ref(
 
 @triton.jit
 def _recall_kernel(
-    units_ptr, index_ptr, heads_ptr, k_ptr, v_ptr, dst_ptr, H: tl.constexpr, B: tl.constexpr, D: tl.constexpr, PER_HEAD: tl.constexpr
+    units_ptr,
+    index_ptr,
+    heads_ptr,
+    k_ptr,
+    v_ptr,
+    dst_ptr,
+    H: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    PER_HEAD: tl.constexpr,
 ):
     i = tl.program_id(0)
     if PER_HEAD:
@@ -60,12 +71,13 @@ def _recall_kernel(
         head = tl.program_id(1)
     unit = tl.load(index_ptr + i).to(tl.int64)  # int64: pool offsets pass 2**31
     dst = tl.load(dst_ptr + i).to(tl.int64)
-    t = tl.arange(0, B)[:, None]
-    d = tl.arange(0, D)[None, :]
+    t = tl.arange(0, BP)[:, None]  # power-of-two tiles, masked to the block and the head dim
+    d = tl.arange(0, DP)[None, :]
+    mask = (t < B) & (d < D)
     src = unit * (2 * H * B * D) + (head * B + t) * D + d
     out = ((dst * B + t) * H + head) * D + d
-    tl.store(k_ptr + out, tl.load(units_ptr + src))
-    tl.store(v_ptr + out, tl.load(units_ptr + src + H * B * D))
+    tl.store(k_ptr + out, tl.load(units_ptr + src, mask=mask), mask=mask)
+    tl.store(v_ptr + out, tl.load(units_ptr + src + H * B * D, mask=mask), mask=mask)
 
 
 def recall_triton(
@@ -80,14 +92,23 @@ def recall_triton(
     On CUDA `units` must be device-addressable (staged on the device, or UVA-mapped pinned memory)."""
     _check(units, unit_index, k_cache, v_cache, dst_blocks, heads)
     _, _, kv_heads, block, dim = units.shape
-    if block & (block - 1) or dim & (dim - 1):
-        raise ValueError(f"recall kernel: block size {block} and head dim {dim} must be powers of two")
     n = unit_index.numel()
     if n:
         grid = (n, 1 if heads is not None else kv_heads)
         head_index = heads if heads is not None else dst_blocks  # unread without PER_HEAD
         _recall_kernel[grid](
-            units, unit_index, head_index, k_cache, v_cache, dst_blocks, H=kv_heads, B=block, D=dim, PER_HEAD=heads is not None
+            units,
+            unit_index,
+            head_index,
+            k_cache,
+            v_cache,
+            dst_blocks,
+            H=kv_heads,
+            B=block,
+            BP=triton.next_power_of_2(block),
+            D=dim,
+            DP=triton.next_power_of_2(dim),
+            PER_HEAD=heads is not None,
         )
 
 

@@ -92,9 +92,10 @@ def test_paged_decode_attention(dtype, per_head):
         assert not torch.allclose(shared[:, HQ // H :].float(), ours[:, HQ // H :].float(), atol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize(("block", "heads", "q_heads", "dim"), [(8, 2, 8, 32), (64, 1, 1, 16)])
+@pytest.mark.parametrize(("block", "heads", "q_heads", "dim"), [(8, 2, 8, 32), (64, 1, 1, 16), (24, 2, 6, 48)])
 def test_paged_decode_attention_geometries(block, heads, q_heads, dim):
-    """Other block sizes and GQA groups (4 and 1); a length past the table is clamped to it as in the reference, 0 gives 0."""
+    """Other block sizes and GQA groups (4, 1, 3), block sizes and head dims that are not powers of
+    two; a length past the table is clamped to it as in the reference, 0 gives 0."""
     k_cache, v_cache = _randn(6 * block, heads, dim, seed=13), _randn(6 * block, heads, dim, seed=14)
     q = _randn(3, q_heads, dim, seed=15)
     tables = torch.randint(0, 6, (3, heads, 4), generator=torch.Generator().manual_seed(16)).to(DEVICE)
@@ -105,9 +106,9 @@ def test_paged_decode_attention_geometries(block, heads, q_heads, dim):
     assert torch.equal(ours[2], torch.zeros_like(ours[2]))
 
 
-def _recall_case(dtype: torch.dtype):
-    units = _randn(12, 2, H, B, D, dtype=dtype, seed=8)
-    caches = [_randn(8 * B, H, D, dtype=dtype, seed=s) for s in (9, 10)]
+def _recall_case(dtype: torch.dtype, block: int = B, dim: int = D):
+    units = _randn(12, 2, H, block, dim, dtype=dtype, seed=8)
+    caches = [_randn(8 * block, H, dim, dtype=dtype, seed=s) for s in (9, 10)]
     index = torch.tensor([11, 0, 5], device=DEVICE)
     dst = torch.tensor([6, 2, 3], device=DEVICE)
     return units, index, caches, dst
@@ -115,18 +116,19 @@ def _recall_case(dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_head", [False, True])
-def test_recall(dtype, per_head):
-    units, index, (k_cache, v_cache), dst = _recall_case(dtype)
+@pytest.mark.parametrize(("block", "dim"), [(B, D), (12, 48)])  # the second: neither a power of two
+def test_recall(dtype, per_head, block, dim):
+    units, index, (k_cache, v_cache), dst = _recall_case(dtype, block, dim)
     heads = torch.tensor([2, 0, 1], device=DEVICE) if per_head else None
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     recall_ref(units, index, k_ref, v_ref, dst, heads)
     recall_triton(units, index, k_cache, v_cache, dst, heads)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # a copy: bit-exact
     # the reference itself: unit 11's K of head 2 lands in device block 6, slot-major
-    assert torch.equal(k_ref.view(-1, B, H, D)[6, :, 2], units[11, 0, 2])
-    assert torch.equal(v_ref.view(-1, B, H, D)[6, :, 2], units[11, 1, 2])
+    assert torch.equal(k_ref.view(-1, block, H, dim)[6, :, 2], units[11, 0, 2])
+    assert torch.equal(v_ref.view(-1, block, H, dim)[6, :, 2], units[11, 1, 2])
     if per_head:  # the other heads of the block are untouched
-        assert not torch.equal(k_ref.view(-1, B, H, D)[6, :, 0], units[11, 0, 0])
+        assert not torch.equal(k_ref.view(-1, block, H, dim)[6, :, 0], units[11, 0, 0])
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU dispatch")
