@@ -388,6 +388,10 @@ class OffloadStep:
         self.seqs = [manager.seqs[c.seq_id] for c in chunks]
         self.chunks = chunks
         self.decode_rows = {s.seq_id: batch.decode_seq_ids.index(s.seq_id) for s in self.seqs if s.seq_id in batch.decode_seq_ids}
+        self.row_seq = {row: seq_id for seq_id, row in self.decode_rows.items()}
+        self.offloaded_rows = sorted(self.row_seq)  # decode rows of offloaded requests, in batch order
+        resident = [row for row in range(len(batch.decode_seq_ids)) if row not in self.row_seq]
+        self.resident_rows = torch.tensor(resident, dtype=torch.long) if resident else None
         self.by_id = {s.seq_id: s for s in self.seqs}
         self.pending: dict[int, list[RecallJob]] = {}  # layer -> its recalls on the I/O thread
         self.landing: list[RecallJob] = []  # recalls a deadline left behind: they land before the step ends
@@ -467,11 +471,12 @@ class OffloadStep:
             self._count(layer, recalls)
 
     def decode_phases(self, layer: int, cache: PagedKVCache, q: torch.Tensor, batch: ForwardBatch) -> Iterator[DecodePhase]:
-        """The batch's decode rows for this layer in the order they can attend, offloaded rows
-        selected with the true query and recalled: (rows, or None for all of them; block tables
-        [rows, max_blocks] or [rows, kv_heads, max_blocks] in headwise mode; context lengths).
-        With suspension the rows whose recalls are still in flight wait in a second phase while
-        the others attend, and attend once their recalls land."""
+        """The batch's decode rows for this layer in the order they can attend: (rows, or None for
+        all of them; block tables [rows, max_blocks] or [rows, kv_heads, max_blocks] in headwise
+        mode; context lengths). Resident rows first, over their whole context; then the offloaded
+        rows, selected with the true query and recalled, over their own (narrower) tables, so no
+        row pays for another's padding. With suspension the offloaded rows whose recalls are still
+        in flight wait in a last phase while the others attend, and attend once their recalls land."""
         manager = self.manager
         if manager.deadline_s is not None:
             selections = self._start_recalls(layer, cache, q)
@@ -480,47 +485,58 @@ class OffloadStep:
             selections, in_flight = self._start_recalls(layer, cache, q), set()
         else:
             selections, in_flight = self._recall_all(layer, cache, q), set()
-        tables, lens = self._tables(layer, cache, q, batch, selections, in_flight)
+        tables, lens = self._tables(layer, cache, q, selections, in_flight)
+        if self.resident_rows is not None:
+            rows = self.resident_rows.to(q.device)
+            yield rows, batch.decode_block_tables[rows], batch.decode_ctx_lens[rows]
+        if not self.offloaded_rows:  # this step's offloaded requests all prefill
+            return
         waiting = self._waiting_rows(layer)
         if not waiting:
             self._timed(self._settle, layer, None)  # landed already: nothing to wait for
-            yield None, tables, lens
+            yield self._rows(range(len(self.offloaded_rows)), q.device), tables, lens
             return
         manager.add_recall(suspended_rows=len(waiting))
-        ready = torch.tensor([r for r in range(len(batch.decode_rows)) if r not in waiting], dtype=torch.long, device=q.device)
-        if ready.numel():
-            yield ready, tables[ready], lens[ready]
+        ready = [i for i, row in enumerate(self.offloaded_rows) if row not in waiting]
+        if ready:
+            yield self._rows(ready, q.device), tables[ready], lens[ready]
         self._timed(self._settle, layer, None)
-        later = torch.tensor(sorted(waiting), dtype=torch.long, device=q.device)
-        yield later, tables[later], lens[later]
+        later = [i for i, row in enumerate(self.offloaded_rows) if row in waiting]
+        yield self._rows(later, q.device), tables[later], lens[later]
+
+    def _rows(self, positions: range | list[int], device: torch.device) -> torch.Tensor | None:
+        """Decode rows of these positions among the offloaded rows (None: every row of the batch)."""
+        if len(positions) == len(self.offloaded_rows) and self.resident_rows is None:
+            return None
+        return torch.tensor([self.offloaded_rows[i] for i in positions], dtype=torch.long, device=device)
 
     def _tables(
         self,
         layer: int,
         cache: PagedKVCache,
         q: torch.Tensor,
-        batch: ForwardBatch,
         selections: dict[int, list[list[int]]],
         in_flight: set[tuple[str, int, int]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decode row's blocks for this layer, the offloaded rows' selections less the units
-        a deadline left in flight (counted as truncated)."""
+        """The offloaded decode rows' blocks for this layer (in row order) and their context lengths:
+        their selections less the units a deadline left in flight (counted as truncated)."""
         manager, g = self.manager, self.geometry
         if layer == 0:
             manager.decoded_rows += len(self.decode_rows)
-        rows, lens, truncated = list(batch.decode_rows), batch.decode_ctx_lens.clone(), 0
-        for seq_id, row in self.decode_rows.items():
+        tables, lens, truncated = [], [], 0
+        for row in self.offloaded_rows:
+            seq_id = self.row_seq[row]
             seq, landed = self.by_id[seq_id], selections[row]
             if in_flight:
                 landed = [[j for j in chosen if (seq_id, group, j) not in in_flight] for group, chosen in enumerate(landed)]
                 truncated += sum(map(len, selections[row])) - sum(map(len, landed))
             table = seq.decode_row(layer, landed)
-            rows[row] = table if manager.per_head else table[0]
-            lens[row] = (len(table[0]) - 1) * g.block_size + (seq.length - 1) % g.block_size + 1
+            tables.append(table if manager.per_head else table[0])
+            lens.append((len(table[0]) - 1) * g.block_size + (seq.length - 1) % g.block_size + 1)
             if manager.mass is not None:
                 self._measure(layer, cache, q[row], seq, landed)
         manager.add_recall(truncated_units=truncated)
-        return pad_tables(rows).to(q.device), lens
+        return pad_tables(tables).to(q.device), torch.tensor(lens, dtype=torch.long, device=q.device)
 
     def _waiting_rows(self, layer: int) -> set[int]:
         """Decode rows with a unit of this layer still in flight on the I/O thread."""
