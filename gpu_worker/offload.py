@@ -388,9 +388,8 @@ class OffloadStep:
         self.seqs = [manager.seqs[c.seq_id] for c in chunks]
         self.chunks = chunks
         self.decode_rows = {s.seq_id: batch.decode_seq_ids.index(s.seq_id) for s in self.seqs if s.seq_id in batch.decode_seq_ids}
-        self.row_seq = {row: seq_id for seq_id, row in self.decode_rows.items()}
-        self.offloaded_rows = sorted(self.row_seq)  # decode rows of offloaded requests, in batch order
-        resident = [row for row in range(len(batch.decode_seq_ids)) if row not in self.row_seq]
+        self.offloaded_rows = list(self.decode_rows.values())  # the order _tables builds their tables in
+        resident = [row for row in range(len(batch.decode_seq_ids)) if row not in self.offloaded_rows]
         self.resident_rows = torch.tensor(resident, dtype=torch.long) if resident else None
         self.by_id = {s.seq_id: s for s in self.seqs}
         self.pending: dict[int, list[RecallJob]] = {}  # layer -> its recalls on the I/O thread
@@ -524,8 +523,7 @@ class OffloadStep:
         if layer == 0:
             manager.decoded_rows += len(self.decode_rows)
         tables, lens, truncated = [], [], 0
-        for row in self.offloaded_rows:
-            seq_id = self.row_seq[row]
+        for seq_id, row in self.decode_rows.items():
             seq, landed = self.by_id[seq_id], selections[row]
             if in_flight:
                 landed = [[j for j in chosen if (seq_id, group, j) not in in_flight] for group, chosen in enumerate(landed)]
