@@ -390,7 +390,10 @@ class OffloadStep:
         self.decode_rows = {s.seq_id: batch.decode_seq_ids.index(s.seq_id) for s in self.seqs if s.seq_id in batch.decode_seq_ids}
         self.offloaded_rows = list(self.decode_rows.values())  # the order _tables builds their tables in
         resident = [row for row in range(len(batch.decode_seq_ids)) if row not in self.offloaded_rows]
-        self.resident_rows = torch.tensor(resident, dtype=torch.long) if resident else None
+        rows_on = batch.input_ids.device
+        self.resident_rows = torch.tensor(resident, dtype=torch.long, device=rows_on) if resident else None
+        # the offloaded rows' phase: None when they are the whole batch (no indexing then)
+        self.offloaded_index = torch.tensor(self.offloaded_rows, dtype=torch.long, device=rows_on) if resident else None
         self.by_id = {s.seq_id: s for s in self.seqs}
         self.pending: dict[int, list[RecallJob]] = {}  # layer -> its recalls on the I/O thread
         self.landing: list[RecallJob] = []  # recalls a deadline left behind: they land before the step ends
@@ -486,14 +489,14 @@ class OffloadStep:
             selections, in_flight = self._recall_all(layer, cache, q), set()
         tables, lens = self._tables(layer, cache, q, selections, in_flight)
         if self.resident_rows is not None:
-            rows = self.resident_rows.to(q.device)
+            rows = self.resident_rows
             yield rows, batch.decode_block_tables[rows], batch.decode_ctx_lens[rows]
         if not self.offloaded_rows:  # this step's offloaded requests all prefill
             return
         waiting = self._waiting_rows(layer)
         if not waiting:
             self._timed(self._settle, layer, None)  # landed already: nothing to wait for
-            yield self._rows(range(len(self.offloaded_rows)), q.device), tables, lens
+            yield self.offloaded_index, tables, lens
             return
         manager.add_recall(suspended_rows=len(waiting))
         ready = [i for i, row in enumerate(self.offloaded_rows) if row not in waiting]
@@ -503,10 +506,8 @@ class OffloadStep:
         later = [i for i, row in enumerate(self.offloaded_rows) if row in waiting]
         yield self._rows(later, q.device), tables[later], lens[later]
 
-    def _rows(self, positions: range | list[int], device: torch.device) -> torch.Tensor | None:
-        """Decode rows of these positions among the offloaded rows (None: every row of the batch)."""
-        if len(positions) == len(self.offloaded_rows) and self.resident_rows is None:
-            return None
+    def _rows(self, positions: list[int], device: torch.device) -> torch.Tensor:
+        """Decode rows of these positions among the offloaded rows."""
         return torch.tensor([self.offloaded_rows[i] for i in positions], dtype=torch.long, device=device)
 
     def _tables(
