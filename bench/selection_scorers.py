@@ -3,16 +3,18 @@
 `pulseinfer eval ppl` decodes the last tokens of each window through the offloading engine. Here
 the same teacher-forced decode is computed directly: each window's prefix once with dense causal
 attention, then the scored positions with attention masked to what an offloaded request attends
-(sink, the top-`budget` host blocks by the scorer, the recent window). For the production scorer
+(sink, the top-`budget` host blocks by the scorer, the recent window). For the worker's scorers
 the perplexity is the engine's (tests/test_selection_scorers.py checks it against `eval ppl`).
 
     python -m bench.selection_scorers [--windows 16] [--context 4096] [--score-tokens 64]
-        [--budget 1024] [--scorers dense,quest,softmax,center,quest-4,oracle] [--json OUT]
+        [--budget 1024] [--scorers dense,quest,lowrank,softmax,center,quest-4,oracle] [--json OUT]
 
 Scorers (one selection per request and layer, over all query heads):
-- `quest`: the Quest bound summed over the query heads (SoloHead, what the worker runs);
+- `quest`: the Quest bound summed over the query heads (SoloHead, the worker's `--scorer quest`);
 - `softmax`: each query head's bounds through a softmax first, then summed (an estimate of
   each block's share of attention, so no head dominates by the scale of its query);
+- `lowrank`: each block's share of attention estimated from its keys projected on the layer's
+  rank-16 key basis (what the worker runs by default);
 - `center`: q . (kmin + kmax) / 2 summed (a mean-key estimate instead of a bound);
 - `quest-4`: `softmax` over bounds of 4-token sub-blocks (4x the summaries);
 - `oracle`: the dense attention probability of each block summed over the heads (needs every
@@ -32,12 +34,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.model.llama import LlamaModel, rms_norm
+from gpu_worker.key_basis import calibration_ids, key_bases, prose
+from gpu_worker.model.llama import LlamaModel, Mask, rms_norm
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.offload import OffloadConfig, OffloadGeometry
-from kernels.scoring import quest_scores, quest_weights
+from kernels.scoring import lowrank_scores, quest_scores, quest_weights
 from kernels.summary import block_minmax
-from pulseinfer.evals import default_text
 from pulseinfer.flags import add_flags, from_flags
 
 
@@ -49,6 +51,8 @@ class ScoringInput:
     blocks: torch.Tensor  # keys of the host blocks [n, block, kv_heads, dim]
     context: torch.Tensor  # every key of the context [length, kv_heads, dim] (the oracle's)
     host_start: int  # position of the first host block's first key
+    layer: int
+    key_bases: torch.Tensor  # the lowrank scorer's [layers, kv_heads, dim, rank] (gpu_worker/key_basis.py)
 
 
 Scorer = Callable[[ScoringInput], torch.Tensor]  # -> a score per host block [n]
@@ -63,7 +67,9 @@ class ScorerStudyConfig:
     sink: int = 64
     recent: int = 256
     block_size: int = 16
-    scorers: str = "dense,quest,softmax,center,quest-4,oracle"
+    key_rank: int = 16
+    calibration_tokens: int = 2048
+    scorers: str = "dense,quest,lowrank,softmax,center,quest-4,oracle"
 
 
 def _head_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -95,6 +101,12 @@ def quest_4(x: ScoringInput) -> torch.Tensor:
     return torch.softmax(torch.logsumexp(bounds, dim=-1), dim=-1).sum(dim=0)
 
 
+def lowrank(x: ScoringInput) -> torch.Tensor:
+    bases = x.key_bases[x.layer]
+    keys = torch.einsum("nbhd,hdr->hnbr", x.blocks.float(), bases)
+    return lowrank_scores(x.q, bases, keys, per_head=False)[0]
+
+
 def oracle(x: ScoringInput) -> torch.Tensor:
     group = x.q.shape[0] // x.context.shape[1]
     logits = torch.einsum("hd,lhd->hl", x.q, x.context.repeat_interleave(group, 1)) / math.sqrt(x.q.shape[-1])
@@ -103,31 +115,17 @@ def oracle(x: ScoringInput) -> torch.Tensor:
     return host.reshape(x.q.shape[0], n, size).sum(dim=(0, 2))
 
 
-SCORERS: dict[str, Scorer] = {"quest": quest, "softmax": softmax, "center": center, "quest-4": quest_4, "oracle": oracle}
-Mask = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None]  # (layer, q, keys) -> [T, length] or None: causal
+SCORERS: dict[str, Scorer] = {
+    "quest": quest,
+    "lowrank": lowrank,
+    "softmax": softmax,
+    "center": center,
+    "quest-4": quest_4,
+    "oracle": oracle,
+}
 
 
-def run_layers(model: LlamaModel, ids: list[int], start: int, prefix: list[tuple[torch.Tensor, torch.Tensor]], mask: Mask):
-    """Tokens `ids` at positions start.. through every layer, attending the prefix's K/V and their
-    own under `mask`; returns the final hidden states and each layer's K/V (prefix included)."""
-    positions = torch.arange(start, start + len(ids))
-    hidden = model.embed[torch.tensor(ids)]
-    cos, sin = model.cos[positions], model.sin[positions]
-    eps, kv = model.config.rms_eps, []
-    for index, layer in enumerate(model.layers):
-        q, k, v = model.qkv(layer, rms_norm(hidden, layer.input_norm, eps), cos, sin)
-        if prefix:
-            k, v = torch.cat([prefix[index][0], k]), torch.cat([prefix[index][1], v])
-        kv.append((k, v))
-        allowed = mask(index, q, k)
-        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(*heads_first, attn_mask=allowed, is_causal=allowed is None, enable_gqa=True)
-        hidden = hidden + F.linear(out.squeeze(0).transpose(0, 1).reshape(len(ids), -1), layer.o_proj)
-        hidden = hidden + model.mlp(layer, rms_norm(hidden, layer.post_norm, eps))
-    return hidden, kv
-
-
-def sparse_mask(geometry: OffloadGeometry, start: int, scorer: Scorer | None) -> Mask:
+def sparse_mask(geometry: OffloadGeometry, start: int, scorer: Scorer | None, key_bases: torch.Tensor) -> Mask:
     """What an offloaded request at positions start.. attends: sink, the scorer's top blocks among
     the host blocks, the recent window (all of the causal context for `dense`)."""
     g, size = geometry, geometry.block_size
@@ -144,7 +142,7 @@ def sparse_mask(geometry: OffloadGeometry, start: int, scorer: Scorer | None) ->
                 continue
             host_start = g.sink_blocks * size
             blocks = keys[host_start:window].view(hosted, size, *keys.shape[1:])
-            scores = scorer(ScoringInput(q[t], blocks, keys[: position + 1], host_start))
+            scores = scorer(ScoringInput(q[t], blocks, keys[: position + 1], host_start, layer, key_bases))
             dropped = torch.ones(hosted, dtype=torch.bool)
             dropped[scores.topk(g.hot_blocks).indices] = False
             allowed[t, host_start:window] &= ~dropped.repeat_interleave(size)
@@ -157,11 +155,11 @@ def window_logprobs(model: LlamaModel, ids: list[int], score_tokens: int, masks:
     """Log-probabilities of the window's last `score_tokens` tokens, each predicted by a decode step
     as `eval ppl` runs it (the prompt is all but the last score_tokens + 1 tokens)."""
     start = len(ids) - score_tokens - 1
-    _, prefix = run_layers(model, ids[:start], 0, [], lambda layer, q, keys: None)
+    _, prefix = model.run_dense(ids[:start])
     targets = torch.tensor(ids[start + 1 :])
     out = {}
     for name, mask in masks.items():
-        hidden, _ = run_layers(model, ids[start:-1], start, prefix, mask)
+        hidden, _ = model.run_dense(ids[start:-1], start, prefix, mask)
         logits = F.linear(rms_norm(hidden, model.norm, model.config.rms_eps), model.lm_head).float()
         out[name] = torch.log_softmax(logits, dim=-1)[torch.arange(len(targets)), targets]
     return out
@@ -175,9 +173,10 @@ def study(config: ScorerStudyConfig, loaded: LoadedModel | None = None, log=prin
         raise ValueError(f"--scorers takes dense (required, the reference) and {', '.join(SCORERS)}; got {config.scorers!r}")
     model = LlamaModel(loaded.config, loaded.weights, torch.device("cpu"), torch.float32)
     geometry = OffloadConfig(sink=config.sink, recent=config.recent, budget=config.budget).geometry(config.block_size)
-    ids = loaded.tokenizer.encode(default_text())
+    ids = loaded.tokenizer.encode(prose())
     start = config.context - config.score_tokens - 1
-    masks = {name: sparse_mask(geometry, start, SCORERS.get(name)) for name in names}
+    bases = key_bases(model, calibration_ids(loaded.tokenizer, config.calibration_tokens), config.key_rank)
+    masks = {name: sparse_mask(geometry, start, SCORERS.get(name), bases) for name in names}
     logprobs: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     with torch.inference_mode():
         for w in range(min(config.windows, len(ids) // config.context)):

@@ -4,7 +4,7 @@ An offloaded request holds a fixed device footprint: sink blocks (the first toke
 recent-window blocks (the partly filled block included) and a hot buffer of recalled blocks.
 Every other full block lives in the host pool. Each block is written back once, when it fills
 (earlier than it leaves the window, so the write has a window's worth of steps to complete);
-its key summary (element-wise min and max per kv head) stays on device for selection.
+its key summary (low-rank keys, or min and max per kv head: --scorer) stays on device for selection.
 
 Decode attends sink + selected host blocks + window, in logical order: with a budget that
 covers every host block the attended K/V are the dense ones, bit for bit, in the dense order.
@@ -27,7 +27,7 @@ import torch
 
 from gpu_worker.batch import ForwardBatch, PrefillSpan, pad_tables
 from gpu_worker.kv_cache import PagedKVCache
-from gpu_worker.sparse import AttentionMass, BlockSummaries, select_blocks
+from gpu_worker.sparse import SCORERS, AttentionMass, BlockSummaries, Scorer, select_blocks
 from kernels.attention import GatherWorkspace
 from kernels.gather_scatter import recall
 from kv_store.allocator import PoolExhausted
@@ -65,6 +65,14 @@ class OffloadConfig:
     sink: int = 64  # tokens at the start of the context, always attended, kept on device
     recent: int = 256  # recent window kept on device (the partly filled block included)
     budget: int = 1024  # host-tier tokens selected per (request, layer); the hot buffer holds this many
+    # what selection scores host blocks by (gpu_worker/sparse.py): lowrank, each block's keys
+    # projected on --key-rank principal directions of the layer's keys (a calibration pass at
+    # start) and scored by the attention they draw; quest, the Quest bound of each block's min/max
+    # keys per kv head (+4.3% perplexity over dense at budget 1024 where lowrank is about +1%,
+    # docs/accuracy.md; half lowrank's device memory at rank 16)
+    scorer: str = "lowrank"
+    key_rank: int = 16
+    calibration_tokens: int = 2048  # tokens of the calibration text the lowrank basis is fitted on
     # recall layer l+1's blocks on the I/O thread while layer l computes, selected with a predicted
     # query; the true query's selection then recalls only what the prediction missed. auto: on
     # CUDA, where the copies overlap compute on the copy engine; off on CPU, where they would take
@@ -89,6 +97,10 @@ class OffloadConfig:
     measure_attention_mass: bool = False
 
     def __post_init__(self) -> None:
+        if self.scorer not in SCORERS:
+            raise ValueError(f"--scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
+        if self.key_rank < 1 or self.calibration_tokens < 1:
+            raise ValueError(f"--key-rank and --calibration-tokens must be >= 1, got {self.key_rank} and {self.calibration_tokens}")
         if self.layer_ahead not in LAYER_AHEAD:
             raise ValueError(f"--layer-ahead must be one of {', '.join(LAYER_AHEAD)}, got {self.layer_ahead!r}")
         if self.recall_deadline_ms is not None and not self.recall_deadline_ms >= 0:
@@ -240,7 +252,8 @@ class OffloadedSeq:
 class OffloadManager:
     """The worker's offloaded requests: their states, host blocks and per-step plumbing."""
 
-    def __init__(self, config: OffloadConfig, cache: PagedKVCache, host: HostTier, per_head: bool = False):
+    def __init__(self, config: OffloadConfig, cache: PagedKVCache, host: HostTier, scorer: Scorer, per_head: bool = False):
+        self.scorer = scorer
         self.geometry = config.geometry(cache.spec.block_size)
         self.layer_ahead = config.layer_ahead_on(cache.k.device)
         self.gather = config.gather
@@ -285,7 +298,7 @@ class OffloadManager:
             except (HostPoolLost, KVStoreUnavailable):
                 pass  # a store that restarted or died holds none of these blocks any more
 
-    def admit(self, plan: StepPlan, kv_heads: int, head_dim: int, device: torch.device) -> tuple[StepPlan, dict[str, str]]:
+    def admit(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:
         """Frees what the plan released, then readies each offloaded chunk's state and host
         blocks. Chunks that cannot run are dropped from the plan and returned with the reason."""
         self.release(plan.released)
@@ -296,7 +309,7 @@ class OffloadManager:
                 kept.append(chunk)
                 continue
             try:
-                self._ready_or_reattach(chunk, kv_heads, head_dim, device)
+                self._ready_or_reattach(chunk)
                 kept.append(chunk)
             except (PoolExhausted, KVStoreUnavailable, HostPoolLost, ValueError) as e:
                 failed[chunk.seq_id] = str(e)
@@ -304,10 +317,10 @@ class OffloadManager:
         failed.update({c.seq_id: f"request {c.seq_id}: its offloaded KV was lost when the kv_store restarted" for c in lost})
         return replace(plan, chunks=tuple(c for c in kept if c not in lost)), failed
 
-    def _ready_or_reattach(self, chunk, kv_heads: int, head_dim: int, device) -> None:
+    def _ready_or_reattach(self, chunk) -> None:
         """A new request that finds the kv_store restarted maps the new pool and goes on; the
         requests whose KV was in the old pool are dropped (and fail)."""
-        args = (chunk.seq_id, chunk.block_table, chunk.start_pos, chunk.end_pos, kv_heads, head_dim, device)
+        args = (chunk.seq_id, chunk.block_table, chunk.start_pos, chunk.end_pos)
         try:
             self._ready(*args)
         except HostPoolLost:
@@ -323,7 +336,7 @@ class OffloadManager:
                 raise
             self._ready(*args)
 
-    def _ready(self, seq_id: str, footprint: tuple[int, ...], start: int, end: int, kv_heads: int, head_dim: int, device) -> None:
+    def _ready(self, seq_id: str, footprint: tuple[int, ...], start: int, end: int) -> None:
         g = self.geometry
         seq = self.seqs.get(seq_id)
         if seq is None:
@@ -331,8 +344,8 @@ class OffloadManager:
                 raise ValueError(f"request {seq_id}: its offloaded KV is gone from this worker (the kv_store restarted)")
             if len(footprint) != g.device_blocks:
                 raise ValueError(f"request {seq_id}: {len(footprint)} device blocks for an offloaded request, expected {g.device_blocks}")
-            summaries = BlockSummaries(self.num_layers, kv_heads, head_dim, device)
-            groups = kv_heads if self.per_head else 1
+            summaries = BlockSummaries(self.num_layers, self.scorer, g.block_size, self.cache.k.device)
+            groups = self.scorer.kv_heads if self.per_head else 1
             seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, summaries, self.num_layers, groups)
         if seq.length != start or seq.footprint != tuple(footprint):
             raise ValueError(f"request {seq_id}: the plan (position {start}) disagrees with the worker's state ({seq.length} tokens)")
@@ -578,9 +591,11 @@ class OffloadStep:
         g = self.geometry
         rows = list(self.decode_rows.items())
         seqs = [self.by_id[seq_id] for seq_id, _ in rows]
-        summaries = [seq.summaries.hosted(layer, g.window_start(seq.length) - g.sink_blocks) for seq in seqs]
+        counts = [g.window_start(seq.length) - g.sink_blocks for seq in seqs]
         index = torch.tensor([row for _, row in rows], dtype=torch.long, device=q.device)
-        picks = select_blocks(q[index], summaries, g.hot_blocks, self.manager.per_head)
+        picks = select_blocks(
+            self.manager.scorer, layer, q[index], [seq.summaries for seq in seqs], counts, g.hot_blocks, self.manager.per_head
+        )
         selections, ranked = {}, []
         for (seq_id, row), seq, chosen in zip(rows, seqs, picks):
             selected = [[g.sink_blocks + i for i in group] for group in chosen]

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.batch import build_batch
+from gpu_worker.key_basis import calibration_ids, key_bases
 from gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.loader import LoadedModel
 from gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
 from gpu_worker.sampler import sample
-from gpu_worker.sparse import MODES
+from gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
 from kv_store.engine import CACHE_SEGMENT_PREFIX
 from scheduler.plan import Chunk, RecallStats, SampledToken, StepOutcome, StepPlan
 
@@ -72,9 +73,9 @@ class ModelRunner:
         # the kv_store's I/O engine recalls into a CPU cache in shared memory
         segment = f"{CACHE_SEGMENT_PREFIX}{os.getpid()}" if offloading and host.recall_engine is not None else None
         self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, segment)
-        self.offload = self._offload_manager(host) if offloading else None
+        self.offload = self._offload_manager(host, loaded) if offloading else None
 
-    def _offload_manager(self, host: HostTier) -> OffloadManager:
+    def _offload_manager(self, host: HostTier, loaded: LoadedModel) -> OffloadManager:
         geometry = self.config.offload.geometry(self.config.block_size)
         if geometry.device_blocks > self.cache.spec.num_blocks:
             log.warning(
@@ -83,7 +84,18 @@ class ModelRunner:
                 geometry.device_blocks,
                 self.cache.spec.num_blocks,
             )
-        return OffloadManager(self.config.offload, self.cache, host, self.config.mode == "headwise")
+        return OffloadManager(self.config.offload, self.cache, host, self._scorer(loaded), self.config.mode == "headwise")
+
+    def _scorer(self, loaded: LoadedModel) -> Scorer:
+        """The block scorer; lowrank fits its key bases on the calibration text first (a dense pass)."""
+        c, o = self.model_config, self.config.offload
+        if o.scorer == "quest":
+            return QuestScorer(c.num_kv_heads, c.head_dim)
+        started = time.perf_counter()
+        bases = key_bases(self.model, calibration_ids(loaded.tokenizer, o.calibration_tokens), o.key_rank)
+        seconds = time.perf_counter() - started
+        log.info("lowrank scorer: rank-%d key bases fitted on %d tokens in %.1f s", o.key_rank, o.calibration_tokens, seconds)
+        return LowRankScorer(bases)
 
     def close(self) -> None:
         if self.offload is not None:
@@ -124,7 +136,6 @@ class ModelRunner:
 
     def _admit(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:
         if self.offload is not None:
-            c = self.model_config
-            return self.offload.admit(plan, c.num_kv_heads, c.head_dim, self.device)
+            return self.offload.admit(plan)
         refused = {c.seq_id: "this worker has no host KV pool to offload to" for c in plan.chunks if c.offloaded}
         return StepPlan(plan.step_id, tuple(c for c in plan.chunks if not c.offloaded)), refused

@@ -1,5 +1,6 @@
-"""Which host blocks an offloaded request attends: key summaries, Quest-bound scores, SoloHead or
-head-wise top-k, and (for the evals) the share of dense attention mass a selection keeps.
+"""Which host blocks an offloaded request attends: per-block key summaries and scores (Quest
+bounds of min/max summaries, or attention estimated from low-rank keys), SoloHead or head-wise
+top-k, and (for the evals) the share of dense attention mass a selection keeps.
 
 `pulse` takes one top-k set per (request, layer) for all heads (SoloHead), so every recall is
 one contiguous (block, layer) unit; `headwise` takes one set per kv head, the baseline whose
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.scoring import quest_scores, quest_weights
+from kernels.scoring import lowrank_scores, quest_scores, quest_weights
 from kernels.summary import block_minmax
 
 MODES = ("dense", "pulse", "headwise")
@@ -25,56 +26,98 @@ def check_mode(mode: str, offload_policy: str) -> None:
         raise ValueError("--offload always needs --mode pulse or headwise (dense mode keeps every request resident)")
 
 
-class BlockSummaries:
-    """Per layer and host block: element-wise min and max of its keys, per kv head."""
+class QuestScorer:
+    """Blocks summarized by the element-wise min and max of their keys per kv head, scored by
+    the Quest bound (an upper bound of any of the block's q.k)."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device):
-        self.kmin = torch.empty((num_layers, 0, kv_heads, head_dim), device=device)
-        self.kmax = torch.empty_like(self.kmin)
+    name = "quest"
+
+    def __init__(self, kv_heads: int, head_dim: int):
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+
+    def shapes(self, block_size: int) -> list[tuple[int, ...]]:
+        return [(BLOCKS, self.kv_heads, self.head_dim)] * 2
+
+    def summarize(self, layer: int, k_blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return block_minmax(k_blocks)
+
+    def scores(self, layer: int, q: torch.Tensor, hosted: Sequence[tuple[torch.Tensor, ...]], per_head: bool) -> list[torch.Tensor]:
+        weights = quest_weights(q, self.kv_heads)  # once for every row
+        return [quest_scores(w, kmin, kmax, per_head) for w, (kmin, kmax) in zip(weights, hosted)]
+
+
+class LowRankScorer:
+    """Blocks summarized by their keys projected on a per-layer low-rank basis (gpu_worker/key_basis.py),
+    scored by the share of the query's attention they draw in that projection."""
+
+    name = "lowrank"
+
+    def __init__(self, bases: torch.Tensor):
+        self.bases = bases  # [layers, kv_heads, head_dim, rank] on the device
+        self.kv_heads, self.rank = bases.shape[1], bases.shape[3]
+
+    def shapes(self, block_size: int) -> list[tuple[int, ...]]:
+        return [(self.kv_heads, BLOCKS, block_size, self.rank)]  # each head's blocks contiguous: lowrank_scores
+
+    def summarize(self, layer: int, k_blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.einsum("nbhd,hdr->hnbr", k_blocks.float(), self.bases[layer]),)
+
+    def scores(self, layer: int, q: torch.Tensor, hosted: Sequence[tuple[torch.Tensor, ...]], per_head: bool) -> list[torch.Tensor]:
+        return [lowrank_scores(row, self.bases[layer], keys, per_head) for row, (keys,) in zip(q, hosted)]
+
+
+Scorer = QuestScorer | LowRankScorer
+BLOCKS = -1  # in a scorer's summary shapes: the dimension that counts host blocks
+SCORERS = ("lowrank", "quest")
+
+
+class BlockSummaries:
+    """Per layer and host block of one request: what its scorer selects by, kept on the device so
+    selection never reads host keys."""
+
+    def __init__(self, num_layers: int, scorer: Scorer, block_size: int, device: torch.device):
+        self.scorer = scorer
+        shapes = scorer.shapes(block_size)
+        self.dims = [1 + shape.index(BLOCKS) for shape in shapes]  # after the layer dimension
+        self.parts = [torch.empty((num_layers, *(0 if d == BLOCKS else d for d in shape)), device=device) for shape in shapes]
 
     def reserve(self, count: int) -> None:
-        if count <= self.kmin.shape[1]:
+        have = self.parts[0].shape[self.dims[0]]
+        if count <= have:
             return
-        layers, have, heads, dim = self.kmin.shape
-        grown = (layers, max(count, 2 * have, 16), heads, dim)
-        for name in ("kmin", "kmax"):
-            old = getattr(self, name)
-            new = torch.empty(grown, device=old.device)
-            new[:, :have] = old
-            setattr(self, name, new)
+        for i, (old, dim) in enumerate(zip(self.parts, self.dims)):
+            grown = list(old.shape)
+            grown[dim] = max(count, 2 * have, 16)
+            self.parts[i] = torch.empty(grown, device=old.device)
+            self.parts[i].narrow(dim, 0, have).copy_(old)
 
     def write(self, layer: int, first: int, k_blocks: torch.Tensor) -> None:
         """k_blocks: [n, block_size, kv_heads, dim] for summary slots first .. first+n-1."""
-        n = k_blocks.shape[0]
-        self.kmin[layer, first : first + n], self.kmax[layer, first : first + n] = block_minmax(k_blocks)
+        for part, dim, summary in zip(self.parts, self.dims, self.scorer.summarize(layer, k_blocks)):
+            part[layer].narrow(dim - 1, first, k_blocks.shape[0]).copy_(summary)
 
-    def hosted(self, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """kmin, kmax [count, kv_heads, dim] of the layer's first `count` host blocks."""
-        return self.kmin[layer, :count], self.kmax[layer, :count]
+    def hosted(self, layer: int, count: int) -> tuple[torch.Tensor, ...]:
+        """The summaries of the layer's first `count` host blocks."""
+        return tuple(part[layer].narrow(dim - 1, 0, count) for part, dim in zip(self.parts, self.dims))
 
 
 def select_blocks(
-    q: torch.Tensor, summaries: Sequence[tuple[torch.Tensor, torch.Tensor]], budget: int, per_head: bool
+    scorer: Scorer, layer: int, q: torch.Tensor, summaries: Sequence[BlockSummaries], counts: Sequence[int], budget: int, per_head: bool
 ) -> list[list[list[int]]]:
-    """For each decode row, the top-`budget` of its host blocks by the Quest bound of its query
-    (summed over each kv head's GQA group): one set for all heads when not `per_head` (SoloHead),
-    else one per kv head. q: [rows, q_heads, dim]; summaries: per row (kmin, kmax) [n, kv_heads,
-    dim]. Returns per row one list per selection group (1 or kv_heads), highest bound first:
-    recalls go in that order, so a deadline cuts the least promising blocks. The rows' scores
-    (their block counts differ) go into one padded matrix: one top-k and one copy to the host
-    for the whole batch."""
-    if not summaries:
-        return []
-    kv_heads = summaries[0][0].shape[1]
-    groups = kv_heads if per_head else 1
-    counts = [kmin.shape[0] for kmin, _ in summaries]
+    """For each decode row, the top-`budget` of its first `counts[row]` host blocks by the
+    scorer's estimate for its query at `layer`: one set for all heads when not `per_head`
+    (SoloHead), else one per kv head. q: [rows, q_heads, dim]. Returns per row one list per
+    selection group (1 or kv_heads), highest score first: recalls go in that order, so a
+    deadline cuts the least promising blocks. The rows' scores (their block counts differ) go
+    into one padded matrix: one top-k and one copy to the host for the whole batch."""
+    groups = scorer.kv_heads if per_head else 1
     over = [r for r, n in enumerate(counts) if n > budget]
     top: dict[int, list[list[int]]] = {}
     if over:
-        weights = quest_weights(q, kv_heads)
+        rows = scorer.scores(layer, q[over], [summaries[r].hosted(layer, counts[r]) for r in over], per_head)
         scores = torch.full((len(over), groups, max(counts[r] for r in over)), float("-inf"), device=q.device)
-        for i, r in enumerate(over):
-            scores[i, :, : counts[r]] = quest_scores(weights[r], *summaries[r], per_head)
+        for i, (r, row) in enumerate(zip(over, rows)):
+            scores[i, :, : counts[r]] = row
         top = dict(zip(over, scores.topk(budget, dim=-1).indices.tolist()))
     return [top[r] if r in top else [list(range(n)) for _ in range(groups)] for r, n in enumerate(counts)]
 

@@ -1,4 +1,7 @@
-"""Quest upper bounds of q.k per host block: for kv head h and block i, the sum over h's GQA
+"""Block scores for selection: Quest bounds of min/max summaries, or attention estimated from
+low-rank keys.
+
+Quest upper bounds of q.k per host block: for kv head h and block i, the sum over h's GQA
 group of query heads and over dims of max(q * kmax, q * kmin), which no key in the block exceeds.
 
 Since kmax >= kmin, max(q * kmax, q * kmin) = relu(q) * kmax + min(q, 0) * kmin: summing the
@@ -6,6 +9,8 @@ group's positive and negative parts first (`quest_weights`, once per query) turn
 two dot products per block; summed over the kv heads too (SoloHead), two matrix-vector products."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -67,3 +72,23 @@ def quest_scores_triton(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
 def quest_scores(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_head: bool) -> torch.Tensor:
     """The kernel on CUDA; the reference elsewhere."""
     return (quest_scores_triton if kmin.is_cuda else quest_scores_ref)(weights, kmin, kmax, per_head)
+
+
+def lowrank_scores(q: torch.Tensor, basis: torch.Tensor, keys: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """Each block's estimated share of a query's attention over the host blocks, from keys
+    projected on a low-rank basis: per query head, the softmax over blocks of each block's
+    log-sum-exp of q.k / sqrt(dim) in the projection, summed over each kv head's GQA group
+    ([kv_heads, n]) or over all heads ([1, n], SoloHead). A share, unlike a raw score, lets no
+    head dominate the sum by the scale of its logits.
+    q [q_heads, dim]; basis [kv_heads, dim, rank]; keys [kv_heads, n, block_size, rank], each kv
+    head's blocks contiguous: the logits are then one batched matmul over the stored keys."""
+    kv_heads, dim, rank = basis.shape
+    if q.dim() != 2 or q.shape[1] != dim or q.shape[0] % kv_heads or keys.dim() != 4 or keys.shape[0] != kv_heads or keys.shape[3] != rank:
+        raise ValueError(f"low-rank scores: q {tuple(q.shape)}, basis {tuple(basis.shape)}, keys {tuple(keys.shape)}")
+    _, n, block_size, _ = keys.shape
+    projected = torch.matmul(q.float().view(kv_heads, -1, dim), basis.float()) / math.sqrt(dim)  # [kv_heads, group, rank]
+    logits = torch.bmm(projected, keys.float().reshape(kv_heads, n * block_size, rank).transpose(1, 2))
+    logits = logits.view(kv_heads, -1, n, block_size)
+    mass = (logits - logits.amax(dim=(2, 3), keepdim=True)).exp_().sum(dim=3)  # per block, up to each head's factor
+    shares = mass / mass.sum(dim=2, keepdim=True)  # [kv_heads, group, n]
+    return shares.sum(dim=1) if per_head else shares.sum(dim=(0, 1))[None]

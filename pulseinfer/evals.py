@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.key_basis import prose
 from gpu_worker.model.loader import LoadedModel
 from pulseinfer.engine import Engine, EngineConfig
 from scheduler.request import SamplingParams
@@ -108,16 +109,10 @@ def run_passkey(engine: Engine, config: PasskeyConfig) -> dict:
     return {"accuracy": sum(r["found"] for r in results) / len(results), "accuracy_by_length": by_length, "cases": results}
 
 
-def default_text() -> str:
-    import pydoc_data.topics
-
-    return "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))
-
-
 def run_perplexity(engine: Engine, config: PerplexityConfig) -> dict:
     if not 0 < config.score_tokens < config.context or config.windows < 1:
         raise ValueError("--score-tokens must be in (0, --context) and --windows >= 1")
-    text = default_text() if config.file is None else _read(config.file)
+    text = prose() if config.file is None else _read(config.file)
     ids = engine.tokenizer.encode(text)
     count = min(config.windows, len(ids) // config.context)
     if count == 0:

@@ -13,7 +13,8 @@ import torch
 from gpu_worker.batch import pad_tables
 from gpu_worker.offload import OffloadConfig, OffloadedSeq, OffloadStep, by_rank
 from gpu_worker.runner import WorkerConfig
-from gpu_worker.sparse import BlockSummaries, select_blocks
+from gpu_worker.sparse import BlockSummaries, LowRankScorer, QuestScorer, select_blocks
+from kernels.scoring import lowrank_scores
 from pulseinfer.engine import Engine, EngineConfig
 from scheduler.batcher import BatcherConfig
 from scheduler.request import SamplingParams
@@ -184,11 +185,12 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     torch.manual_seed(0)
     kv_heads, group, dim, blocks, block = 3, 3, 8, 12, 16
     keys = torch.randn(blocks, block, kv_heads, dim)
-    summaries = BlockSummaries(1, kv_heads, dim, torch.device("cpu"))
+    scorer = QuestScorer(kv_heads, dim)
+    summaries = BlockSummaries(1, scorer, block, torch.device("cpu"))
     summaries.reserve(blocks)
     summaries.write(0, 0, keys)
     q = torch.randn(kv_heads * group, dim)
-    ((picked,),) = select_blocks(q[None], [summaries.hosted(0, blocks)], 4, per_head=False)
+    ((picked,),) = select_blocks(scorer, 0, q[None], [summaries], [blocks], 4, per_head=False)
     grouped = q.view(kv_heads, group, dim)
     bound = [
         sum(torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for h in range(kv_heads))
@@ -198,8 +200,8 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     for b in range(blocks):  # an upper bound of every token's q.k summed over the heads
         exact = torch.einsum("hgd,thd->t", grouped, keys[b]).max().item()
         assert bound[b] >= exact - 1e-4
-    assert select_blocks(q[None], [summaries.hosted(0, 3)], 4, per_head=False) == [[[0, 1, 2]]]
-    (per_head,) = select_blocks(q[None], [summaries.hosted(0, blocks)], 4, per_head=True)
+    assert select_blocks(scorer, 0, q[None], [summaries], [3], 4, per_head=False) == [[[0, 1, 2]]]
+    (per_head,) = select_blocks(scorer, 0, q[None], [summaries], [blocks], 4, per_head=True)
     for h, chosen in enumerate(per_head):  # head-wise: each kv head's own top 4 by its group's bound
         head_bound = [
             torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for b in range(blocks)
@@ -208,27 +210,49 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     assert len({tuple(c) for c in per_head}) > 1  # the heads disagree: head-wise recalls fragment
 
 
+def test_lowrank_scores_are_each_blocks_attention_share_when_the_rank_is_full():
+    """With a full-rank orthonormal basis the projection loses nothing: a block's score is the
+    share of each query head's softmax over the host blocks it draws, summed over the heads."""
+    torch.manual_seed(2)
+    kv_heads, group, dim, blocks, block = 3, 3, 8, 10, 16
+    keys = torch.randn(blocks, block, kv_heads, dim)
+    q = torch.randn(kv_heads * group, dim)
+    bases = torch.linalg.qr(torch.randn(1, kv_heads, dim, dim)).Q
+    scorer = LowRankScorer(bases)
+    (projected,) = scorer.summarize(0, keys)
+    logits = torch.einsum("hgd,nbhd->hgnb", q.view(kv_heads, group, dim), keys) / dim**0.5
+    shares = torch.softmax(logits.flatten(2), dim=-1).view(kv_heads, group, blocks, block).sum(dim=-1)  # [kv_heads, group, n]
+    (solo,) = scorer.scores(0, q[None], [(projected,)], per_head=False)
+    torch.testing.assert_close(solo, shares.sum(dim=(0, 1))[None])
+    (per_head,) = scorer.scores(0, q[None], [(projected,)], per_head=True)
+    torch.testing.assert_close(per_head, shares.sum(dim=1))
+    with pytest.raises(ValueError, match="low-rank scores"):
+        lowrank_scores(q[:, :4], bases[0], projected, per_head=False)
+
+
 def test_a_batch_selects_what_each_row_selects_alone():
     """Rows of different lengths share one padded top-k: short rows keep all their blocks, the
     padding never gets picked, and each row gets what it would get on its own."""
     torch.manual_seed(1)
     kv_heads, dim, budget = 3, 8, 4
-    summaries = BlockSummaries(1, kv_heads, dim, torch.device("cpu"))
-    summaries.reserve(12)
-    summaries.write(0, 0, torch.randn(12, 16, kv_heads, dim))
     q = torch.randn(4, 3 * kv_heads, dim)
     counts = [12, 3, 5, 12]
-    for per_head in (False, True):
-        batch = select_blocks(q, [summaries.hosted(0, n) for n in counts], budget, per_head)
-        alone = [select_blocks(q[r : r + 1], [summaries.hosted(0, n)], budget, per_head)[0] for r, n in enumerate(counts)]
-        assert batch == alone
-        assert batch[1] == [[0, 1, 2]] * len(batch[1]) and all(max(group) < 5 for group in batch[2])
-    assert select_blocks(q[:0], [], budget, False) == []
+    bases = torch.linalg.qr(torch.randn(1, kv_heads, dim, dim)).Q[..., :4]  # orthonormal rank-4 bases
+    for scorer in (QuestScorer(kv_heads, dim), LowRankScorer(bases)):
+        summaries = BlockSummaries(1, scorer, 16, torch.device("cpu"))
+        summaries.reserve(12)
+        summaries.write(0, 0, torch.randn(12, 16, kv_heads, dim))
+        for per_head in (False, True):
+            batch = select_blocks(scorer, 0, q, [summaries] * len(counts), counts, budget, per_head)
+            alone = [select_blocks(scorer, 0, q[r : r + 1], [summaries], [n], budget, per_head)[0] for r, n in enumerate(counts)]
+            assert batch == alone
+            assert batch[1] == [[0, 1, 2]] * len(batch[1]) and all(max(group) < 5 for group in batch[2])
+        assert select_blocks(scorer, 0, q[:0], [], [], budget, False) == []
 
 
 def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():
     g = OffloadConfig(sink=16, recent=16, budget=48).geometry(16)  # 3 hot blocks
-    seq = OffloadedSeq("s", (100, 101, 200, 201, 202), g, BlockSummaries(1, 1, 4, torch.device("cpu")), num_layers=1)
+    seq = OffloadedSeq("s", (100, 101, 200, 201, 202), g, BlockSummaries(1, QuestScorer(1, 4), 16, torch.device("cpu")), num_layers=1)
     assert [logical for logical, _, _ in seq.recall_plan(0, [[5, 6, 7]])] == [5, 6, 7]
     assert sorted(seq.hot[0][0].values()) == [200, 201, 202]
     assert seq.recall_plan(0, [[5, 6, 7]]) == []  # all present: nothing moves
@@ -239,7 +263,7 @@ def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():
 
 def test_headwise_hot_buffer_keeps_one_lru_per_kv_head():
     g = OffloadConfig(sink=16, recent=16, budget=32).geometry(16)  # 2 hot blocks, shared by 2 heads
-    seq = OffloadedSeq("s", (100, 101, 200, 201), g, BlockSummaries(1, 2, 4, torch.device("cpu")), num_layers=1, groups=2)
+    seq = OffloadedSeq("s", (100, 101, 200, 201), g, BlockSummaries(1, QuestScorer(2, 4), 16, torch.device("cpu")), num_layers=1, groups=2)
     # misses by rank across the heads: each head's best block first
     assert seq.recall_plan(0, [[5, 6], [6, 8]]) == [(5, 0, 200), (6, 1, 200), (6, 0, 201), (8, 1, 201)]
     assert seq.recall_plan(0, [[5, 6], [6, 9]]) == [(9, 1, 201)]  # only head 1's new block moves

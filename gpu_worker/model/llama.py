@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,10 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.offload import OffloadStep
 from kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention, prefill_attention
 from kernels.decode_triton import paged_decode_attention_triton
+
+# (layer, q [T, heads, dim], keys [length, kv_heads, dim]) -> allowed [T, length], or None: causal
+Mask = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None]
+KV = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,31 @@ class LlamaModel:
                     q_span, k_cache, v_cache, span.ctx_blocks, span.ctx_len, block, self.workspace
                 )
         return F.linear(out.view(-1, c.q_size), layer.o_proj)
+
+    @torch.inference_mode()
+    def run_dense(
+        self, ids: list[int], start: int = 0, prefix: Sequence[KV] = (), mask: Mask | None = None
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """Tokens `ids` at positions start.. through every layer without a KV cache, attending the
+        prefix's K/V and their own (causal, or under `mask`): the final hidden states and each
+        layer's K/V, prefix included. For calibration and the scorer study, not serving."""
+        if prefix and mask is None:
+            raise ValueError("run_dense: a prefix needs a mask (the causal default assumes queries start at position 0)")
+        positions = torch.arange(start, start + len(ids), device=self.device)
+        hidden = self.embed[torch.tensor(ids, device=self.device)]
+        cos, sin = self.cos[positions], self.sin[positions]
+        eps, kv = self.config.rms_eps, []
+        for index, layer in enumerate(self.layers):
+            q, k, v = self.qkv(layer, rms_norm(hidden, layer.input_norm, eps), cos, sin)
+            if prefix:
+                k, v = torch.cat([prefix[index][0], k]), torch.cat([prefix[index][1], v])
+            kv.append((k, v))
+            allowed = mask(index, q, k) if mask is not None else None
+            heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*heads_first, attn_mask=allowed, is_causal=allowed is None, enable_gqa=True)
+            hidden = hidden + F.linear(out.squeeze(0).transpose(0, 1).reshape(len(ids), -1), layer.o_proj)
+            hidden = hidden + self.mlp(layer, rms_norm(hidden, layer.post_norm, eps))
+        return hidden, kv
 
     def qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The layer's q [T, heads, dim], k and v [T, kv_heads, dim] of normed hidden states x, q and k rotated."""
