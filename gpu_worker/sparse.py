@@ -30,8 +30,6 @@ class QuestScorer:
     """Blocks summarized by the element-wise min and max of their keys per kv head, scored by
     the Quest bound (an upper bound of any of the block's q.k)."""
 
-    name = "quest"
-
     def __init__(self, kv_heads: int, head_dim: int):
         self.kv_heads, self.head_dim = kv_heads, head_dim
 
@@ -49,8 +47,6 @@ class QuestScorer:
 class LowRankScorer:
     """Blocks summarized by their keys projected on a per-layer low-rank basis (gpu_worker/key_basis.py),
     scored by the share of the query's attention they draw in that projection."""
-
-    name = "lowrank"
 
     def __init__(self, bases: torch.Tensor):
         self.bases = bases  # [layers, kv_heads, head_dim, rank] on the device
