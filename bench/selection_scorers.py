@@ -38,7 +38,8 @@ from gpu_worker.key_basis import calibration_ids, key_bases, prose
 from gpu_worker.model.llama import LlamaModel, Mask, rms_norm
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.offload import OffloadConfig, OffloadGeometry
-from kernels.scoring import lowrank_scores, quest_scores, quest_weights
+from gpu_worker.sparse import LowRankScorer
+from kernels.scoring import quest_scores, quest_weights
 from kernels.summary import block_minmax
 from pulseinfer.flags import add_flags, from_flags
 
@@ -52,7 +53,7 @@ class ScoringInput:
     context: torch.Tensor  # every key of the context [length, kv_heads, dim] (the oracle's)
     host_start: int  # position of the first host block's first key
     layer: int
-    key_bases: torch.Tensor  # the lowrank scorer's [layers, kv_heads, dim, rank] (gpu_worker/key_basis.py)
+    lowrank: LowRankScorer  # the worker's, with the key bases fitted for this model
 
 
 Scorer = Callable[[ScoringInput], torch.Tensor]  # -> a score per host block [n]
@@ -102,9 +103,8 @@ def quest_4(x: ScoringInput) -> torch.Tensor:
 
 
 def lowrank(x: ScoringInput) -> torch.Tensor:
-    bases = x.key_bases[x.layer]
-    keys = torch.einsum("nbhd,hdr->hnbr", x.blocks.float(), bases)
-    return lowrank_scores(x.q, bases, keys, per_head=False)[0]
+    summaries = x.lowrank.summarize(x.layer, x.blocks)
+    return x.lowrank.scores(x.layer, x.q[None], [summaries], per_head=False)[0][0]
 
 
 def oracle(x: ScoringInput) -> torch.Tensor:
@@ -125,7 +125,7 @@ SCORERS: dict[str, Scorer] = {
 }
 
 
-def sparse_mask(geometry: OffloadGeometry, start: int, scorer: Scorer | None, key_bases: torch.Tensor) -> Mask:
+def sparse_mask(geometry: OffloadGeometry, start: int, scorer: Scorer | None, lowrank_scorer: LowRankScorer) -> Mask:
     """What an offloaded request at positions start.. attends: sink, the scorer's top blocks among
     the host blocks, the recent window (all of the causal context for `dense`)."""
     g, size = geometry, geometry.block_size
@@ -142,7 +142,7 @@ def sparse_mask(geometry: OffloadGeometry, start: int, scorer: Scorer | None, ke
                 continue
             host_start = g.sink_blocks * size
             blocks = keys[host_start:window].view(hosted, size, *keys.shape[1:])
-            scores = scorer(ScoringInput(q[t], blocks, keys[: position + 1], host_start, layer, key_bases))
+            scores = scorer(ScoringInput(q[t], blocks, keys[: position + 1], host_start, layer, lowrank_scorer))
             dropped = torch.ones(hosted, dtype=torch.bool)
             dropped[scores.topk(g.hot_blocks).indices] = False
             allowed[t, host_start:window] &= ~dropped.repeat_interleave(size)
@@ -175,8 +175,8 @@ def study(config: ScorerStudyConfig, loaded: LoadedModel | None = None, log=prin
     geometry = OffloadConfig(sink=config.sink, recent=config.recent, budget=config.budget).geometry(config.block_size)
     ids = loaded.tokenizer.encode(prose())
     start = config.context - config.score_tokens - 1
-    bases = key_bases(model, calibration_ids(loaded.tokenizer, config.calibration_tokens), config.key_rank)
-    masks = {name: sparse_mask(geometry, start, SCORERS.get(name), bases) for name in names}
+    lowrank_scorer = LowRankScorer(key_bases(model, calibration_ids(loaded.tokenizer, config.calibration_tokens), config.key_rank))
+    masks = {name: sparse_mask(geometry, start, SCORERS.get(name), lowrank_scorer) for name in names}
     logprobs: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     with torch.inference_mode():
         for w in range(min(config.windows, len(ids) // config.context)):
