@@ -33,10 +33,10 @@ def main() -> None:
             return view
 
         def open_recall_target(cache: PagedKVCache) -> RemoteRecall:
-            kv_store.open_recall(cache.shape.target(config.worker_id, cache.segment))
-            return RemoteRecall(context, config.kv_store, config.worker_id, cache.header, config.kv_store_timeout_s)
+            kv_store.open_recall(cache.recall_target(config.worker_id))
+            return RemoteRecall(context, config.kv_store, config.worker_id, cache.completion, config.kv_store_timeout_s)
 
-        engine = open_recall_target if config.engine_recalls and w.device == "cpu" else None
+        engine = open_recall_target if config.engine_recalls else None
         Worker(config, loaded, HostTier(attach(), kv_store, attach, engine)).serve(context, stop)
     finally:
         context.destroy(linger=0)

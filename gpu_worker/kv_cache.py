@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from dataclasses import dataclass
 
 import torch
 
 from gpu_worker.model.config import ModelConfig
-from kv_store.engine import SHM_DIR, CacheShape, map_segment
+from kv_store.client import SegmentHeader
+from kv_store.cuda_ipc import ExportedCache
+from kv_store.engine import CACHE_SEGMENT_PREFIX, SHM_DIR, CacheShape, map_segment
+from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -31,21 +35,33 @@ class KVCacheSpec:
 class PagedKVCache:
     """K and V per layer as [slots, kv_heads, head_dim]; slot = block * block_size + offset.
 
-    With `segment` (CPU only) the pool lives in that shared-memory segment, so the kv_store's
-    I/O engine can recall blocks straight into it; `header[0]` is its completion counter."""
+    `shared`: the kv_store's I/O engine recalls blocks straight into this cache. A CPU cache then
+    lives in a shared-memory segment whose header carries the engine's completions; a CUDA cache
+    keeps K and V in one device allocation, exported with CUDA IPC with its two events."""
 
-    def __init__(self, config: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, segment: str | None = None):
+    def __init__(self, config: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, shared: bool = False):
         self.spec = spec
         self.shape = CacheShape(config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim, spec.block_size)
-        self.segment = segment
-        if segment is None:
-            self.k, self.v = _zeroed(self.shape.dims, dtype, device), _zeroed(self.shape.dims, dtype, device)
+        self.segment = f"{CACHE_SEGMENT_PREFIX}{os.getpid()}" if shared and device.type == "cpu" else None
+        self.completion: SegmentHeader | ExportedCache | None = None  # how a recall by the engine is known to have landed
+        if self.segment is not None:
+            (SHM_DIR / self.segment).unlink(missing_ok=True)  # left by an earlier process of this pid (a restarted container)
+            self._map = map_segment(self.segment, self.shape.segment_bytes(dtype), create=True)
+            header, self.k, self.v = self.shape.tensors(self._map, dtype)
+            self.completion = SegmentHeader(header)
             return
-        if device.type != "cpu":
-            raise ValueError("a KV cache in shared memory is for CPU workers (CUDA workers export device buffers instead)")
-        (SHM_DIR / segment).unlink(missing_ok=True)  # left by an earlier process of this pid (a restarted container)
-        self._map = map_segment(segment, self.shape.segment_bytes(dtype), create=True)
-        self.header, self.k, self.v = self.shape.tensors(self._map, dtype)
+        kv = _zeroed((2, *self.shape.dims), dtype, device)
+        self.k, self.v = kv[0], kv[1]
+        if shared:
+            self.completion = ExportedCache(kv)
+
+    def recall_target(self, worker_id: int) -> pb.OpenRecallTarget:
+        """What the kv_store needs to open this (shared) cache as worker `worker_id`'s recall target."""
+        if isinstance(self.completion, ExportedCache):
+            return self.shape.target(worker_id, "", cuda=self.completion.message())
+        if self.segment is None:
+            raise ValueError("this KV cache is not shared with the kv_store")
+        return self.shape.target(worker_id, self.segment)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)

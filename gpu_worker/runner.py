@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +17,6 @@ from gpu_worker.model.loader import LoadedModel
 from gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
 from gpu_worker.sampler import sample
 from gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
-from kv_store.engine import CACHE_SEGMENT_PREFIX
 from scheduler.plan import Chunk, RecallStats, SampledToken, StepOutcome, StepPlan
 
 log = logging.getLogger("gpu_worker")
@@ -70,9 +68,8 @@ class ModelRunner:
         self.model_config = loaded.config
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype)
         offloading = host is not None and config.mode != "dense"
-        # the kv_store's I/O engine recalls into a CPU cache in shared memory
-        segment = f"{CACHE_SEGMENT_PREFIX}{os.getpid()}" if offloading and host.recall_engine is not None else None
-        self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, segment)
+        shared = offloading and host.recall_engine is not None  # the kv_store's I/O engine recalls into it
+        self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, shared)
         self.offload = self._offload_manager(host, loaded) if offloading else None
 
     def _offload_manager(self, host: HostTier, loaded: LoadedModel) -> OffloadManager:

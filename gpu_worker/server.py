@@ -32,8 +32,8 @@ class WorkerServiceConfig:
     worker_id: int = 0
     heartbeat_interval_s: float = 0.5
     kv_store_timeout_s: float = 30.0
-    # CPU: the kv_store's I/O engine copies recalls into this worker's cache (in shared memory);
-    # off: the worker's own I/O thread copies them from its mapping of the pool
+    # the kv_store's I/O engine copies recalls into this worker's cache (CPU: in shared memory;
+    # CUDA: exported with CUDA IPC); off: the worker's own I/O thread copies them from its mapping of the pool
     engine_recalls: bool = True
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 

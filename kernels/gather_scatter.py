@@ -4,9 +4,23 @@ each (the head-wise baseline)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MappedHost:
+    """Page-locked host memory registered as mapped, as Triton takes a pointer argument: its launcher
+    turns the host address into the device's UVA address of the same bytes."""
+
+    address: int
+    dtype: torch.dtype
+
+    def data_ptr(self) -> int:
+        return self.address
 
 
 def _check(
@@ -87,9 +101,11 @@ def recall_triton(
     v_cache: torch.Tensor,
     dst_blocks: torch.Tensor,
     heads: torch.Tensor | None = None,
+    source: MappedHost | None = None,
 ) -> None:
     """The same as recall_ref: one program per (unit, kv head) moving a [block, dim] K tile and V tile.
-    On CUDA `units` must be device-addressable (staged on the device, or UVA-mapped pinned memory)."""
+    On CUDA the kernel reads `units` from device memory (staged there), or, given `source`, the
+    same units in mapped host memory through UVA (`units` then is its CPU view, for the checks)."""
     _check(units, unit_index, k_cache, v_cache, dst_blocks, heads)
     _, _, kv_heads, block, dim = units.shape
     n = unit_index.numel()
@@ -97,7 +113,7 @@ def recall_triton(
         grid = (n, 1 if heads is not None else kv_heads)
         head_index = heads if heads is not None else dst_blocks  # unread without PER_HEAD
         _recall_kernel[grid](
-            units,
+            source or units,
             unit_index,
             head_index,
             k_cache,

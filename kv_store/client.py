@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
@@ -97,16 +97,42 @@ class KVStoreClient:
         self._socket.close()
 
 
-class RemoteRecall:
-    """Recalls into this worker's KV cache (a shared segment the kv_store has opened as a recall
-    target), done by the kv_store's I/O engine. One request at a time: the engine writes the
-    sequence number into the segment's header once the data has landed, then answers."""
+class Completion(Protocol):
+    """How a worker learns that the engine's recall into its cache has landed."""
 
-    def __init__(self, context: zmq.Context, control: str, worker_id: int, header: torch.Tensor, timeout_s: float):
-        self.worker_id = worker_id
+    def last(self) -> int: ...  # the sequence of the last recall known to have landed
+
+    def issue(self) -> None: ...  # before a recall is sent
+
+    def landed(self, sequence: int) -> None: ...  # after the engine answered recall `sequence`
+
+
+class SegmentHeader:
+    """A CPU cache in shared memory: the engine writes each finished recall's sequence into its header."""
+
+    def __init__(self, header: torch.Tensor):
         self.header = header
+
+    def last(self) -> int:
+        return int(self.header[0])
+
+    def issue(self) -> None:
+        pass
+
+    def landed(self, sequence: int) -> None:
+        if int(self.header[0]) != sequence:
+            raise RuntimeError(f"kv_store I/O engine answered recall {sequence} but the cache header says {int(self.header[0])}")
+
+
+class RemoteRecall:
+    """Recalls into this worker's KV cache (which the kv_store has opened as a recall target), done
+    by the kv_store's I/O engine. One request at a time."""
+
+    def __init__(self, context: zmq.Context, control: str, worker_id: int, completion: Completion, timeout_s: float):
+        self.worker_id = worker_id
+        self.completion = completion
         self.timeout_s = timeout_s
-        self.sequence = int(header[0])
+        self.sequence = completion.last()
         self._lock = threading.Lock()  # the I/O thread's prefetches and the compute thread's corrections share the socket
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -114,7 +140,8 @@ class RemoteRecall:
 
     def __call__(self, layer: int, host_blocks: list[int], device_blocks: list[int], heads: list[int] | None = None) -> float:
         """Copies host blocks (all kv heads, or kv head heads[i] of each) into device blocks of layer
-        `layer`; returns when they have landed, with the engine's copy time."""
+        `layer`; returns when they have landed (on a CUDA worker: when its compute stream waits for
+        them), with the engine's copy time."""
         with self._lock:
             self.sequence += 1
             request = pb.RecallRequest(
@@ -125,10 +152,12 @@ class RemoteRecall:
                 device_blocks=_int64s(device_blocks),
                 heads=_int64s(heads or []),
             )
+            self.completion.issue()
             self._socket.send(request.SerializeToString())
             done = self._wait(self.sequence)
-        if done.error:
-            raise ValueError(f"kv_store I/O engine: {done.error}")
+            if done.error:
+                raise ValueError(f"kv_store I/O engine: {done.error}")
+            self.completion.landed(self.sequence)
         return done.busy_s
 
     def _wait(self, sequence: int) -> pb.RecallDone:
@@ -137,8 +166,6 @@ class RemoteRecall:
             done = pb.RecallDone.FromString(self._socket.recv())
             if done.sequence != sequence:
                 continue
-            if not done.error and int(self.header[0]) != sequence:
-                raise RuntimeError(f"kv_store I/O engine answered recall {sequence} but the cache header says {int(self.header[0])}")
             return done
         raise KVStoreUnavailable(f"kv_store I/O engine did not complete recall {sequence} within {self.timeout_s:g} s")
 

@@ -1,11 +1,13 @@
-"""The gather-scatter I/O engine of the kv_store process (CPU workers).
+"""The gather-scatter I/O engine of the kv_store process.
 
-A CPU worker keeps its KV cache in a shared-memory segment and registers it here as a recall
-target. Per layer of a decode step the worker sends one RecallRequest (all of the batch's
-missed blocks); the engine, on its own thread and core, gathers those units from the pool and
-scatters them into the worker's cache, writes the request's sequence number into the
-segment's header, then wakes the worker with a RecallDone (the worker blocks on the socket,
-so an idle engine and an idle worker spin on nothing).
+A worker registers its KV cache here as a recall target: a CPU worker's cache lives in a
+shared-memory segment, a CUDA worker's stays on its device and is exported with CUDA IPC
+(kv_store/cuda_ipc.py). Per layer of a decode step the worker sends one RecallRequest (all of
+the batch's missed blocks); the engine, on its own thread and core, gathers those units from the
+pool and scatters them into the worker's cache, then signals completion (CPU: the request's
+sequence number in the segment's header; CUDA: an interprocess event recorded on the engine's
+stream) and wakes the worker with a RecallDone (the worker blocks on the socket, so an idle
+engine and an idle worker spin on nothing).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import zmq
 from google.protobuf.message import DecodeError
 
 from kernels.gather_scatter import recall
+from kv_store.cuda_ipc import CudaTarget
 from kv_store.pool import SHM_DIR, PoolGeometry, unit_bytes
+from kv_store.view import cuda_host_register, register_host_range, unregister_host_ranges
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 POLL_MS = 200  # how soon a shutdown signal is noticed
@@ -39,9 +43,10 @@ class CacheShape:
     head_dim: int
     block_size: int
 
-    def target(self, worker_id: int, shm_name: str) -> pb.OpenRecallTarget:
-        """The request that opens a cache of this shape, in segment `shm_name`, as a recall target."""
-        return pb.OpenRecallTarget(worker_id=worker_id, shm_name=shm_name, **dataclasses.asdict(self))
+    def target(self, worker_id: int, shm_name: str, cuda: pb.CudaCache | None = None) -> pb.OpenRecallTarget:
+        """The request that opens a cache of this shape (in segment `shm_name`, or exported from a
+        CUDA device) as a recall target."""
+        return pb.OpenRecallTarget(worker_id=worker_id, shm_name=shm_name, cuda=cuda, **dataclasses.asdict(self))
 
     @classmethod
     def of_target(cls, request: pb.OpenRecallTarget) -> CacheShape:
@@ -80,8 +85,8 @@ def int64s(values: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
 
 
-class RecallTarget:
-    """A worker's KV cache, mapped by the kv_store."""
+class SharedTarget:
+    """A CPU worker's KV cache, mapped by the kv_store."""
 
     def __init__(self, request: pb.OpenRecallTarget, dtype: torch.dtype):
         self.name = request.shm_name
@@ -89,19 +94,30 @@ class RecallTarget:
         self._map = map_segment(request.shm_name, self.shape.segment_bytes(dtype), create=False)
         self.header, self.k, self.v = self.shape.tensors(self._map, dtype)
 
+    def copy(self, units: torch.Tensor, rows: torch.Tensor, layer: int, device_blocks: torch.Tensor, heads: torch.Tensor | None) -> None:
+        recall(units, rows, self.k[layer], self.v[layer], device_blocks, heads)
+
+    def complete(self, sequence: int) -> None:
+        self.header[0] = sequence
+
     def close(self) -> None:
         del self.header, self.k, self.v
         self._map.close()
 
 
+RecallTarget = SharedTarget | CudaTarget
+
+
 class RecallEngine:
-    def __init__(self, pool_map: mmap.mmap, geometry: PoolGeometry, dtype: torch.dtype):
+    def __init__(self, pool_map: mmap.mmap, geometry: PoolGeometry, dtype: torch.dtype, staging_min_bytes: int):
         self.geometry = geometry
         self.dtype = dtype
+        self.staging_min_bytes = staging_min_bytes
         self.pool = torch.frombuffer(pool_map, dtype=dtype)
         self.targets: dict[int, RecallTarget] = {}
         self.recalls = 0  # completed, since start
         self.busy_s = 0.0
+        self._pinned: list[tuple[int, int]] | None = None  # the pool's CUDA registration, made for the first CUDA target
         self._lock = threading.Lock()  # targets are opened and dropped on the control thread, used on the engine's
 
     def open(self, request: pb.OpenRecallTarget) -> None:
@@ -111,10 +127,20 @@ class RecallEngine:
                 f"recall target {request.shm_name}: {request.num_layers} layers of {unit}-byte units do not match the pool's "
                 f"{self.geometry.num_layers} layers of {self.geometry.unit_bytes}-byte units"
             )
-        target = RecallTarget(request, self.dtype)
+        target = self._cuda_target(request) if request.HasField("cuda") else SharedTarget(request, self.dtype)
         with self._lock:
             self._drop(request.worker_id)
             self.targets[request.worker_id] = target
+
+    def _cuda_target(self, request: pb.OpenRecallTarget) -> CudaTarget:
+        if not torch.cuda.is_available():
+            raise ValueError(f"worker {request.worker_id} has a CUDA cache, and this kv_store sees no CUDA device")
+        if self._pinned is None:  # page-locked and mapped: the recall kernel reads it through UVA, DMAs need no bounce
+            try:
+                self._pinned = register_host_range(self.pool.data_ptr(), self.pool.numel() * self.pool.element_size(), cuda_host_register)
+            except RuntimeError as e:
+                raise ValueError(f"{e} (is the kv_store's memlock limit unlimited?)") from e
+        return CudaTarget(request, CacheShape.of_target(request), self.dtype, self.staging_min_bytes)
 
     def drop(self, worker_id: int) -> str | None:
         """Unmaps a worker's cache; returns its segment name."""
@@ -155,8 +181,8 @@ class RecallEngine:
             raise ValueError(f"{host.numel()} host blocks for {device.numel()} device blocks and {heads.numel()} heads")
         rows = host * self.geometry.num_layers + request.layer
         units = self.pool.view(-1, 2, shape.kv_heads, shape.block_size, shape.head_dim)  # one row per (block, layer)
-        recall(units, rows, target.k[request.layer], target.v[request.layer], device, heads if heads.numel() else None)
-        target.header[0] = request.sequence
+        target.copy(units, rows, request.layer, device, heads if heads.numel() else None)
+        target.complete(request.sequence)
 
     def serve(self, context: zmq.Context, address: str, ready: threading.Event, stop: threading.Event) -> None:
         """The engine's thread: one request at a time, answered to the worker that sent it."""
@@ -183,6 +209,7 @@ class RecallEngine:
         with self._lock:
             for worker_id in list(self.targets):
                 self._drop(worker_id)
+            unregister_host_ranges(self._pinned or [])
             del self.pool
 
 

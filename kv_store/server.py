@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
 from kv_store.client import io_address, pid_namespace
+from kv_store.cuda_ipc import STAGING_BYTES
 from kv_store.engine import RecallEngine
 from kv_store.pool import SHM_DIR, PoolGeometry, SharedPool, pid_alive, remove_stale_segments, segment_name
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
@@ -35,6 +36,9 @@ class KVStoreConfig:
     host_kv_tokens: int = 65536  # pool capacity; the segment is sparse until written
     kv_dtype: str = "float32"  # float32 on CPU workers, bfloat16 on CUDA workers
     prefault: bool = True  # back every page at start-up
+    # recalls into CUDA workers: whole units of this size and up go staged (host gather, one DMA,
+    # scatter on the device); smaller fragments are read by the recall kernel through UVA
+    staging_min_kib: int = STAGING_BYTES >> 10
 
 
 @dataclass
@@ -144,7 +148,7 @@ def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) 
     context = zmq.Context()
     socket = context.socket(zmq.REP)
     socket.setsockopt(zmq.LINGER, 0)
-    engine = RecallEngine(pool.map, geometry, getattr(torch, config.kv_dtype))
+    engine = RecallEngine(pool.map, geometry, getattr(torch, config.kv_dtype), config.staging_min_kib << 10)
     engine_address = io_address(config.bind)
     engine_ready, engine_stop = threading.Event(), threading.Event()
     io = threading.Thread(target=engine.serve, args=(context, engine_address, engine_ready, engine_stop), name="io-engine")

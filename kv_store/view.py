@@ -104,17 +104,17 @@ class PoolView:
         """Registers the mapping with CUDA (page-locked, device-addressable), so copies to and from
         it are DMA without a bounce buffer and can be asynchronous."""
         address = self._units.data_ptr()
-        self._pinned = register_host_range(address, self._units.numel() * self._units.element_size(), register or _cuda_host_register)
+        self._pinned = register_host_range(address, self._units.numel() * self._units.element_size(), register or cuda_host_register)
 
     def close(self) -> None:
-        for address, _ in getattr(self, "_pinned", []):
-            torch.cuda.cudart().cudaHostUnregister(address)
+        unregister_host_ranges(getattr(self, "_pinned", []))
         del self.blocks, self._units
         self._map.close()
 
 
 CUDA_REGISTER_CHUNK = 64 << 30  # one cudaHostRegister call over more than this fails on some drivers
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2
 
 
 def register_host_range(address: int, size: int, register: Callable[[int, int], int]) -> list[tuple[int, int]]:
@@ -132,5 +132,11 @@ def register_host_range(address: int, size: int, register: Callable[[int, int], 
     return registered
 
 
-def _cuda_host_register(address: int, size: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+def cuda_host_register(address: int, size: int) -> int:
+    """Page-locked and mapped: DMAs need no bounce buffer, and kernels read it through UVA."""
+    return int(torch.cuda.cudart().cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED))
+
+
+def unregister_host_ranges(ranges: list[tuple[int, int]]) -> None:
+    for address, _ in ranges:
+        torch.cuda.cudart().cudaHostUnregister(address)

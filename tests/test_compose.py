@@ -41,8 +41,9 @@ def test_the_four_services_share_one_image_and_host_ipc(compose):
         assert service["healthcheck"]["start_period"], name
         assert service["command"][:3] == ["python", "-m", name]
     assert services["gateway"]["ports"] == ["8000:8000", "50051:50051"]
-    (device,) = services["gpu_worker"]["deploy"]["resources"]["reservations"]["devices"]
-    assert device["capabilities"] == ["gpu"]
+    for name in ("gpu_worker", "kv_store"):  # the kv_store's I/O engine opens the worker's cache with CUDA IPC: the same GPU
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and device["device_ids"] == ["0"], name
 
 
 def test_each_command_parses_with_its_service_flags(compose):

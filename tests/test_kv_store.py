@@ -15,9 +15,13 @@ import zmq
 
 from gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
 from gpu_worker.model.loader import load_model_meta
+from kernels.gather_scatter import recall_ref
 from kv_store.allocator import PoolExhausted
-from kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall
+from kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall, SegmentHeader
+from kv_store.cuda_ipc import STAGING_BYTES, Staging, staged
+from kv_store.engine import CacheShape
 from kv_store.view import CUDA_REGISTER_CHUNK, PoolMismatch, PoolView, register_host_range
+from proto.pulseinfer.v1 import kv_store_pb2 as pb
 from pulseinfer import probe
 
 # SmolLM2-135M: 3 kv heads x 64 dims; the pool is for fp32, block 16
@@ -52,23 +56,40 @@ MAPPER = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def kv_store(tmp_path_factory):
-    address = f"ipc://{tmp_path_factory.mktemp('kv')}/kv_store"
-    process = subprocess.Popen([sys.executable, "-m", "kv_store", "--bind", address, "--host-kv-tokens", str(POOL_TOKENS)])
+def start_kv_store(address: str, *flags: str) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "kv_store", "--bind", address, "--host-kv-tokens", str(POOL_TOKENS), *flags])
     deadline = time.monotonic() + 60
     while True:
         try:
             probe.kv_store(address)
-            break
+            return process
         except probe.NotReady:
             if time.monotonic() > deadline or process.poll() is not None:
                 process.kill()
                 raise
             time.sleep(0.2)
-    yield address
+
+
+def stop_kv_store(process: subprocess.Popen) -> None:
     process.terminate()
     assert process.wait(timeout=30) == 0  # SIGTERM is a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def kv_store(tmp_path_factory):
+    address = f"ipc://{tmp_path_factory.mktemp('kv')}/kv_store"
+    process = start_kv_store(address)
+    yield address
+    stop_kv_store(process)
+
+
+@pytest.fixture(scope="module")
+def staging_kv_store(tmp_path_factory):
+    """A kv_store whose engine stages every whole-unit recall into a CUDA cache (the default maps 24 KiB units)."""
+    address = f"ipc://{tmp_path_factory.mktemp('kv')}/kv_store"
+    process = start_kv_store(address, "--staging-min-kib", "1")
+    yield address
+    stop_kv_store(process)
 
 
 def _mapper(*args: str) -> str:
@@ -142,49 +163,48 @@ def test_cuda_registration_goes_in_64_gib_chunks_and_accepts_an_already_register
 # A worker that opens its shared cache as a recall target, then waits to be killed.
 TARGET_HOLDER = textwrap.dedent(
     """
-    import os, sys, time, torch, zmq
+    import sys, time, torch, zmq
     from gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
     from gpu_worker.model.loader import load_model_meta
     from kv_store.client import KVStoreClient
-    sys.path.insert(0, sys.argv[2])
-    from test_kv_store import open_target
     client = KVStoreClient(zmq.Context.instance(), sys.argv[1])
     client.register(worker_id=9)
-    config, segment = load_model_meta(None).config, f"pulseinfer-cache-{os.getpid()}"
-    cache = PagedKVCache(config, KVCacheSpec(4, 16), torch.float32, torch.device("cpu"), segment)
-    open_target(client, 9, cache)
+    cache = PagedKVCache(load_model_meta(None).config, KVCacheSpec(4, 16), torch.float32, torch.device("cpu"), shared=True)
+    client.open_recall(cache.recall_target(9))
     print(cache.segment, flush=True)
     time.sleep(600)
     """
 )
 
 
-def open_target(client: KVStoreClient, worker_id: int, cache: PagedKVCache) -> None:
-    client.open_recall(cache.shape.target(worker_id, cache.segment))
-
-
-def test_the_io_engine_recalls_into_the_worker_cache_bit_exact(kv_store):
+def check_recalls(address: str, device: str) -> None:
+    """A worker's cache on `device`, opened by the kv_store at `address` as a recall target: the
+    engine's recalls land bit-exact where asked and nowhere else; bad requests are refused."""
     context = zmq.Context.instance()
-    client = KVStoreClient(context, kv_store)
+    client = KVStoreClient(context, address)
     view = PoolView.attach(client.register(worker_id=7), KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
-    cache = PagedKVCache(load_model_meta(None).config, KVCacheSpec(8, BLOCK), torch.float32, torch.device("cpu"), "pulseinfer-cache-test")
+    cache = PagedKVCache(load_model_meta(None).config, KVCacheSpec(8, BLOCK), torch.float32, torch.device(device), shared=True)
     remote = None
+
+    def cached() -> tuple[torch.Tensor, torch.Tensor]:  # [layer, block, token, head, dim]; on CUDA read on the stream that waited
+        return tuple(c.cpu().view(c.shape[0], -1, BLOCK, KV_HEADS, HEAD_DIM) for c in (cache.k, cache.v))
+
     try:
         host = client.allocate("request-io", 6)
         for block in host:
             view.blocks[block].normal_()
-        open_target(client, 7, cache)
-        remote = RemoteRecall(context, kv_store, 7, cache.header, timeout_s=30)
-        k, v = (c.view(c.shape[0], -1, BLOCK, KV_HEADS, HEAD_DIM) for c in (cache.k, cache.v))  # [layer, block, token, head, dim]
+        client.open_recall(cache.recall_target(7))
+        remote = RemoteRecall(context, address, 7, cache.completion, timeout_s=30)
 
         remote(3, [host[5], host[1], host[3]], [2, 0, 5])  # score order, not block order
+        k, v = cached()
         for source, dst in ((host[5], 2), (host[1], 0), (host[3], 5)):
             assert torch.equal(k[3, dst], view.blocks[source, 3, 0].transpose(0, 1))
             assert torch.equal(v[3, dst], view.blocks[source, 3, 1].transpose(0, 1))
         assert not k[3, [1, 3, 4, 6, 7]].any() and not k[2].any()  # nothing else written
-        assert int(cache.header[0]) == remote.sequence
 
         remote(1, [host[0], host[2]], [4, 4], heads=[2, 0])  # head-wise: one kv head of each
+        k, _ = cached()
         assert torch.equal(k[1, 4, :, 2], view.blocks[host[0], 1, 0, 2]) and torch.equal(k[1, 4, :, 0], view.blocks[host[2], 1, 0, 0])
         assert not k[1, 4, :, 1].any()
 
@@ -195,7 +215,7 @@ def test_the_io_engine_recalls_into_the_worker_cache_bit_exact(kv_store):
         with pytest.raises(ValueError, match="layer 99 out of range"):
             remote(99, [host[0]], [0])
         remote(0, [host[4]], [7])  # a refused request harms nothing: the engine goes on
-        assert torch.equal(v[0, 7], view.blocks[host[4], 0, 1].transpose(0, 1))
+        assert torch.equal(cached()[1][0, 7], view.blocks[host[4], 0, 1].transpose(0, 1))
     finally:
         if remote is not None:
             remote.close()
@@ -203,13 +223,53 @@ def test_the_io_engine_recalls_into_the_worker_cache_bit_exact(kv_store):
         client.release("request-io")
         view.close()
         client.close()
-    assert not Path("/dev/shm/pulseinfer-cache-test").exists()
+    assert cache.segment is None or not (Path("/dev/shm") / cache.segment).exists()
+
+
+def test_the_io_engine_recalls_into_the_worker_cache_bit_exact(kv_store):
+    check_recalls(kv_store, "cpu")
+
+
+@pytest.mark.gpu
+def test_the_io_engine_recalls_into_a_cuda_cache_over_cuda_ipc_bit_exact(kv_store, staging_kv_store):
+    check_recalls(kv_store, "cuda")  # whole 24 KiB units and head-wise runs read by the kernel through UVA
+    check_recalls(staging_kv_store, "cuda")  # whole units staged: host gather, one DMA, scatter
+
+
+def test_a_cuda_cache_is_refused_clearly_where_it_cannot_be_opened(kv_store):
+    """A kv_store without CUDA (or with handles that do not open) refuses the target and goes on serving."""
+    client = KVStoreClient(zmq.Context.instance(), kv_store)
+    try:
+        client.register(worker_id=8)
+        cuda = pb.CudaCache(device=0, memory_handle=b"not a handle", storage_bytes=1 << 30, ready_event=b"x", landed_event=b"y")
+        target = CacheShape(30, 64, KV_HEADS, HEAD_DIM, BLOCK).target(8, "", cuda=cuda)
+        expected = "CUDA IPC handles did not open" if torch.cuda.is_available() else "sees no CUDA device"
+        with pytest.raises(ValueError, match=expected):
+            client.open_recall(target)
+        assert client.stats().workers >= 1
+    finally:
+        client.close()
+
+
+def test_staging_gathers_whole_units_for_one_copy_and_the_scatter_equals_the_direct_recall():
+    units = torch.randn(40, 2, KV_HEADS, BLOCK, HEAD_DIM)
+    staging = Staging(torch.device("cpu"), torch.float32)
+    for rows in (torch.tensor([7, 3, 31]), torch.arange(39, 0, -3), torch.tensor([5])):  # grows, then reuses its buffer
+        k, v = torch.zeros(2, 16 * BLOCK, KV_HEADS, HEAD_DIM)
+        expected_k, expected_v = torch.zeros_like(k), torch.zeros_like(v)
+        dst = torch.randperm(16)[: rows.numel()]
+        recall_ref(units, rows, expected_k, expected_v, dst)
+        recall_ref(staging.stage(units, rows), torch.arange(rows.numel()), k, v, dst)
+        assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+
+
+def test_whole_units_from_the_size_threshold_go_staged_head_wise_fragments_never():
+    assert not staged(24 << 10, None, STAGING_BYTES) and staged(64 << 10, None, STAGING_BYTES)
+    assert not staged(64 << 10, torch.tensor([0]), STAGING_BYTES)  # one kv head of a unit: read in place
 
 
 def test_a_recall_target_of_a_dead_worker_is_unmapped_and_its_segment_removed(kv_store):
-    process = subprocess.Popen(
-        [sys.executable, "-c", TARGET_HOLDER, kv_store, str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True
-    )
+    process = subprocess.Popen([sys.executable, "-c", TARGET_HOLDER, kv_store], stdout=subprocess.PIPE, text=True)
     try:
         segment = Path("/dev/shm") / process.stdout.readline().strip()
         assert segment.name.startswith("pulseinfer-cache-") and segment.exists()
@@ -223,8 +283,8 @@ def test_a_recall_target_of_a_dead_worker_is_unmapped_and_its_segment_removed(kv
 
 
 def test_a_recall_without_an_answer_is_a_clear_error(tmp_path):
-    cache_header = torch.zeros(1, dtype=torch.int64)
-    remote = RemoteRecall(zmq.Context.instance(), f"ipc://{tmp_path}/nobody", 1, cache_header, timeout_s=0.2)
+    header = SegmentHeader(torch.zeros(1, dtype=torch.int64))
+    remote = RemoteRecall(zmq.Context.instance(), f"ipc://{tmp_path}/nobody", 1, header, timeout_s=0.2)
     try:
         with pytest.raises(KVStoreUnavailable, match="did not complete recall 1"):
             remote(0, [0], [0])

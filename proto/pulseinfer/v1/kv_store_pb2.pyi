@@ -49,7 +49,7 @@ class Ping(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRecallTarget(_message.Message):
-    __slots__ = ("worker_id", "shm_name", "num_layers", "slots", "kv_heads", "head_dim", "block_size")
+    __slots__ = ("worker_id", "shm_name", "num_layers", "slots", "kv_heads", "head_dim", "block_size", "cuda")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class OpenRecallTarget(_message.Message):
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     shm_name: str
     num_layers: int
@@ -64,7 +65,32 @@ class OpenRecallTarget(_message.Message):
     kv_heads: int
     head_dim: int
     block_size: int
-    def __init__(self, worker_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., slots: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    cuda: CudaCache
+    def __init__(self, worker_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., slots: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cuda: _Optional[_Union[CudaCache, _Mapping]] = ...) -> None: ...
+
+class CudaCache(_message.Message):
+    __slots__ = ("device", "memory_handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "sync_event", "sync_required", "ready_event", "landed_event")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVENT_FIELD_NUMBER: _ClassVar[int]
+    SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    LANDED_EVENT_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    memory_handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    sync_event: bytes
+    sync_required: bool
+    ready_event: bytes
+    landed_event: bytes
+    def __init__(self, device: _Optional[int] = ..., memory_handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., sync_event: _Optional[bytes] = ..., sync_required: _Optional[bool] = ..., ready_event: _Optional[bytes] = ..., landed_event: _Optional[bytes] = ...) -> None: ...
 
 class StatsQuery(_message.Message):
     __slots__ = ()
