@@ -1,11 +1,14 @@
 """Time the compute waits on recalls: synchronous recall, suspension alone (rows whose recalls
 are in flight attend after the others), layer-ahead recall without and with suspension, and
 layer-ahead recall with a per-layer deadline, side by side in one run (the same offloaded
-requests decoded five times on one loaded model). With the deadline, the wait includes the
-step's end, where the recalls it left behind land; the blocks attention went without are counted.
+requests decoded again and again on one loaded model), for each recall path:
+- `worker`: the worker's own I/O thread copies from its mapping of the pool (the in-process engine);
+- `engine`: a kv_store process's I/O engine copies into the worker's cache (as `pulseinfer serve` runs).
+With the deadline, the wait includes the step's end, where the recalls it left behind land; the
+blocks attention went without are counted.
 
     python -m bench.layer_ahead [--requests 4] [--context 4096] [--output-tokens 32] [--budget 512]
-                                [--deadline-ms 0] [--json OUT]
+                                [--deadline-ms 0] [--paths worker,engine] [--json OUT]
 """
 
 from __future__ import annotations
@@ -13,16 +16,126 @@ from __future__ import annotations
 import argparse
 import json
 import pydoc_data.topics
+import statistics
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import zmq
+
 from bench.decode import agreement
-from gpu_worker.model.loader import load_model
-from gpu_worker.offload import OffloadConfig
+from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.model.loader import LoadedModel, load_model
+from gpu_worker.offload import HostTier, OffloadConfig
 from gpu_worker.runner import WorkerConfig
+from kv_store.client import KVStoreClient, RemoteRecall
+from kv_store.view import PoolView
+from pulseinfer import probe
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.launcher import Child
 from scheduler.batcher import BatcherConfig
 from scheduler.request import SamplingParams
+
+RUNS = (  # name, --layer-ahead, --suspend, with --deadline-ms
+    ("synchronous", "off", False, False),
+    ("suspension", "off", True, False),
+    ("layer_ahead", "on", False, False),
+    ("layer_ahead_suspension", "on", True, False),
+    ("layer_ahead_deadline", "on", False, True),
+)
+WORKER_ID = 0
+
+
+@contextmanager
+def kv_store_tier(loaded: LoadedModel, worker: WorkerConfig, host_kv_tokens: int) -> Iterator[HostTier]:
+    """A kv_store process of its own, its pool mapped here and its I/O engine doing the recalls."""
+    c, context = loaded.config, zmq.Context()
+    with tempfile.TemporaryDirectory() as run_dir:
+        address = f"ipc://{run_dir}/kv_store"
+        child = Child("kv_store", "kv_store", ["--bind", address, "--host-kv-tokens", str(host_kv_tokens)])
+        child.start()
+        client, view = None, None
+        try:
+            _wait_ready(address, child)
+            client = KVStoreClient(context, address)
+            view = PoolView.attach(client.register(WORKER_ID), c.num_kv_heads, worker.block_size, c.head_dim, worker.torch_dtype())
+
+            def open_target(cache: PagedKVCache) -> RemoteRecall:
+                client.open_recall(cache.recall_target(WORKER_ID))
+                return RemoteRecall(context, address, WORKER_ID, cache.completion, timeout_s=60)
+
+            yield HostTier(view, client, None, open_target)
+        finally:
+            if view is not None:
+                view.close()
+            if client is not None:
+                client.close()
+            child.stop()
+            child.wait_or_kill(time.monotonic() + 30)
+            context.destroy(linger=0)
+
+
+def _wait_ready(address: str, child: Child, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            probe.kv_store(address)
+            return
+        except probe.NotReady:
+            if time.monotonic() > deadline or child.exited() is not None:
+                raise
+            time.sleep(0.2)
+
+
+def decode(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[float]]:
+    """The requests' tokens, and the seconds of every decode-only step."""
+    ids = [engine.submit(p, params) for p in prompts]
+    done, step_s = {}, []
+    while len(done) < len(ids) or engine.batcher.released:
+        started = time.perf_counter()
+        finished = engine.step()
+        elapsed = time.perf_counter() - started
+        if engine.last_plan is not None and all(len(c.token_ids) == 1 for c in engine.last_plan.chunks):
+            step_s.append(elapsed)
+        done.update((c.seq_id, c) for c in finished)
+    return [done[i].token_ids for i in ids], step_s
+
+
+def run_path(loaded: LoadedModel, host: HostTier | None, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+    results, tokens = {}, {}
+    for name, ahead, suspend, deadline in RUNS:
+        deadline_ms = args.deadline_ms if deadline else None
+        offload = OffloadConfig(budget=args.budget, layer_ahead=ahead, suspend=suspend, recall_deadline_ms=deadline_ms)
+        worker = WorkerConfig(device_kv_tokens=65536, offload=offload)
+        engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload="always")), loaded, host)
+        started = time.perf_counter()
+        tokens[name], step_s = decode(engine, prompts, params)
+        stats = engine.runner.offload.stats()
+        engine.runner.close()
+        steps = stats["decoded_rows"] / args.requests
+        results[name] = {
+            "seconds": time.perf_counter() - started,
+            "io_wait_ms_per_step": stats["io_wait_seconds"] / steps * 1e3,
+            "decode_step_ms_p50": statistics.median(step_s) * 1e3,
+            "recalled_units_per_step": stats["recalled_units"] / steps,
+            "prefetched_units": stats["prefetched_units"],
+            "corrected_units": stats["corrected_units"],
+            "truncated_units_per_step": stats["truncated_units"] / steps,
+            "suspended_rows_per_step": stats["suspended_rows"] / steps,
+        }
+        print(name, json.dumps(results[name]), flush=True)
+    synchronous = results["synchronous"]
+    for name, *_ in RUNS[1:]:
+        results[name]["io_wait_ratio"] = results[name]["io_wait_ms_per_step"] / synchronous["io_wait_ms_per_step"]
+        results[name]["decode_step_ratio"] = results[name]["decode_step_ms_p50"] / synchronous["decode_step_ms_p50"]
+    exact = [name for name, *rest in RUNS[1:] if not rest[-1]]
+    results["identical_tokens"] = all(tokens[name] == tokens["synchronous"] for name in exact)
+    results["deadline_token_agreement"] = agreement(tokens["layer_ahead_deadline"], tokens["synchronous"])
+    results["tokens"] = tokens["synchronous"]
+    return results
 
 
 def main() -> None:
@@ -32,51 +145,34 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--deadline-ms", type=float, default=0.0)
+    parser.add_argument("--paths", default="worker,engine", help="recall paths to compare: worker, engine")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not paths or set(paths) - {"worker", "engine"}:
+        parser.error(f"--paths takes worker and/or engine, got {args.paths!r}")
     loaded = load_model()
     ids = loaded.tokenizer.encode(" ".join(pydoc_data.topics.topics.values()))
     stride = (len(ids) - args.context) // args.requests
     prompts = [ids[i * stride : i * stride + args.context] for i in range(args.requests)]
-    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
-    results, tokens = {}, {}
-    runs = (
-        ("synchronous", "off", False, None),
-        ("suspension", "off", True, None),
-        ("layer_ahead", "on", False, None),
-        ("layer_ahead_suspension", "on", True, None),
-        ("layer_ahead_deadline", "on", False, args.deadline_ms),
-    )
-    for name, ahead, suspend, deadline in runs:
-        offload = OffloadConfig(budget=args.budget, layer_ahead=ahead, suspend=suspend, recall_deadline_ms=deadline)
-        worker = WorkerConfig(device_kv_tokens=65536, offload=offload)
-        engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload="always")), loaded)
-        started = time.perf_counter()
-        tokens[name] = [c.token_ids for c in engine.generate(prompts, params)]
-        stats = engine.runner.offload.stats()
-        steps = stats["decoded_rows"] / args.requests
-        results[name] = {
-            "seconds": time.perf_counter() - started,
-            "io_wait_ms_per_step": stats["io_wait_seconds"] / steps * 1e3,
-            "recalled_units_per_step": stats["recalled_units"] / steps,
-            "prefetched_units": stats["prefetched_units"],
-            "corrected_units": stats["corrected_units"],
-            "truncated_units_per_step": stats["truncated_units"] / steps,
-            "suspended_rows_per_step": stats["suspended_rows"] / steps,
-        }
-        print(name, json.dumps(results[name]), flush=True)
-    synchronous = results["synchronous"]["io_wait_ms_per_step"]
-    summary = {
-        **{f"{name}_io_wait_ratio": results[name]["io_wait_ms_per_step"] / synchronous for name, *_ in runs[1:]},
-        "identical_tokens": all(tokens[name] == tokens["synchronous"] for name, *_ in runs[1:-1]),
-        "deadline_token_agreement": agreement(tokens["layer_ahead_deadline"], tokens["synchronous"]),
-    }
-    print(json.dumps(summary))
+    results = {}
+    for path in paths:
+        print(f"recall path: {path}", flush=True)
+        if path == "worker":
+            results[path] = run_path(loaded, None, args, prompts)
+        else:
+            tokens = args.requests * (args.context + args.output_tokens) + 4096  # the pool the requests need, and a margin
+            with kv_store_tier(loaded, WorkerConfig(), tokens) as host:
+                results[path] = run_path(loaded, host, args, prompts)
+    if len(results) > 1:  # the two paths decode the same tokens
+        results["paths_agree"] = len({json.dumps(r.pop("tokens")) for r in results.values()}) == 1
+    else:
+        next(iter(results.values())).pop("tokens")
+    print(json.dumps({p: {n: r[n].get("io_wait_ratio") for n, *_ in RUNS[1:]} for p, r in results.items() if p in paths}))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json"}, **results, **summary}, indent=1) + "\n"
-        )
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        args.json.write_text(json.dumps({"settings": settings, **results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

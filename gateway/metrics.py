@@ -96,9 +96,7 @@ class GatewayMetrics:
         self.device_blocks_total = Gauge(p + "worker_device_kv_blocks_total", "Device KV blocks of the worker's capped pool.")
         self.host_blocks_used = Gauge(p + "host_kv_blocks_used", "kv_store host KV blocks in use.")
         self.host_blocks_total = Gauge(p + "host_kv_blocks_total", "kv_store host KV blocks.")
-        self.engine_recalls = Counter(
-            p + "kv_store_engine_recalls_total", "Layer recalls the kv_store's I/O engine completed."
-        )
+        self.engine_recalls = Counter(p + "kv_store_engine_recalls_total", "Layer recalls the kv_store's I/O engine completed.")
         self.engine_busy = Counter(p + "kv_store_engine_busy_seconds_total", "Time the kv_store's I/O engine spent copying recalls.")
         # WorkerStats fields copied as they are: recalls, and the offloading admission's inputs
         self.by_field = {

@@ -59,13 +59,16 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, host: HostTier | None = None):
+        """`host`: where offloaded requests' KV goes; default: a pool in this process, recalled by
+        the worker's own I/O thread (bench.layer_ahead passes a kv_store process's pool and engine)."""
         started = time.perf_counter()
         self.config = config
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         check_mode(config.worker.mode, config.batcher.offload)
-        self.host = self._host_tier() if config.batcher.offload != "never" and config.worker.mode != "dense" else None
+        offloading = config.batcher.offload != "never" and config.worker.mode != "dense"
+        self.host = (host or self._host_tier()) if offloading else None
         self.runner = ModelRunner(self.loaded, config.worker, self.host)
         spec = self.runner.cache_spec
         self.allocator = BlockAllocator(spec.num_blocks)
