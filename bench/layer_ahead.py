@@ -103,7 +103,8 @@ def decode(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> 
     return [done[i].token_ids for i in ids], step_s
 
 
-def run_path(loaded: LoadedModel, host: HostTier | None, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+def run_path(loaded: LoadedModel, host: HostTier | None, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[dict, list]:
+    """Each run's measurements, and the synchronous run's tokens."""
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     results, tokens = {}, {}
     for name, ahead, suspend, deadline in RUNS:
@@ -134,8 +135,7 @@ def run_path(loaded: LoadedModel, host: HostTier | None, args: argparse.Namespac
     exact = [name for name, *rest in RUNS[1:] if not rest[-1]]
     results["identical_tokens"] = all(tokens[name] == tokens["synchronous"] for name in exact)
     results["deadline_token_agreement"] = agreement(tokens["layer_ahead_deadline"], tokens["synchronous"])
-    results["tokens"] = tokens["synchronous"]
-    return results
+    return results, tokens["synchronous"]
 
 
 def main() -> None:
@@ -155,20 +155,17 @@ def main() -> None:
     ids = loaded.tokenizer.encode(" ".join(pydoc_data.topics.topics.values()))
     stride = (len(ids) - args.context) // args.requests
     prompts = [ids[i * stride : i * stride + args.context] for i in range(args.requests)]
-    results = {}
+    results, tokens = {}, {}
     for path in paths:
         print(f"recall path: {path}", flush=True)
         if path == "worker":
-            results[path] = run_path(loaded, None, args, prompts)
+            results[path], tokens[path] = run_path(loaded, None, args, prompts)
         else:
-            tokens = args.requests * (args.context + args.output_tokens) + 4096  # the pool the requests need, and a margin
-            with kv_store_tier(loaded, WorkerConfig(), tokens) as host:
-                results[path] = run_path(loaded, host, args, prompts)
-    if len(results) > 1:  # the two paths decode the same tokens
-        results["paths_agree"] = len({json.dumps(r.pop("tokens")) for r in results.values()}) == 1
-    else:
-        next(iter(results.values())).pop("tokens")
-    print(json.dumps({p: {n: r[n].get("io_wait_ratio") for n, *_ in RUNS[1:]} for p, r in results.items() if p in paths}))
+            pool_tokens = args.requests * (args.context + args.output_tokens) + 4096  # what the requests need, and a margin
+            with kv_store_tier(loaded, WorkerConfig(), pool_tokens) as host:
+                results[path], tokens[path] = run_path(loaded, host, args, prompts)
+    results["paths_agree"] = len({json.dumps(t) for t in tokens.values()}) == 1  # every path decodes the same tokens
+    print(json.dumps({p: {n: results[p][n]["io_wait_ratio"] for n, *_ in RUNS[1:]} for p in paths}))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k != "json"}

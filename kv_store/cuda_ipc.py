@@ -29,8 +29,9 @@ STAGING_BYTES = 32 << 10  # fragments this size and up go staged; smaller ones m
 
 
 def staged(fragment_bytes: int, heads: torch.Tensor | None, staging_min_bytes: int) -> bool:
-    """Whether a recall goes staged: whole units (a head-wise recall's fragments are one kv head of
-    a unit, scattered by the kernel from the mapped pool) of at least `staging_min_bytes`."""
+    """Whether a recall goes staged: whole units of at least `staging_min_bytes`. A head-wise
+    recall's fragments (one kv head of a unit each) are always read in place through UVA:
+    staging whole units for them would move every head."""
     return heads is None and fragment_bytes >= staging_min_bytes
 
 
@@ -40,8 +41,8 @@ class ExportedCache:
     def __init__(self, kv: torch.Tensor):
         self.kv = kv  # [2, num_layers, slots, kv_heads, head_dim]
         self.stream = torch.cuda.current_stream(kv.device)  # the compute stream: attention reads recalls on it
-        self.ready = torch.cuda.Event(interprocess=True)
-        self.done = torch.cuda.Event(interprocess=True)
+        self.ready_event = torch.cuda.Event(interprocess=True)
+        self.landed_event = torch.cuda.Event(interprocess=True)
 
     def message(self) -> pb.CudaCache:
         device, handle, size, offset, counter, counter_offset, event, sync = self.kv.untyped_storage()._share_cuda_()
@@ -54,8 +55,8 @@ class ExportedCache:
             ref_counter_offset=counter_offset,
             sync_event=event or b"",
             sync_required=sync,
-            ready_event=self.ready.ipc_handle(),
-            landed_event=self.done.ipc_handle(),
+            ready_event=self.ready_event.ipc_handle(),
+            landed_event=self.landed_event.ipc_handle(),
         )
 
     def last(self) -> int:
@@ -63,11 +64,11 @@ class ExportedCache:
 
     def issue(self) -> None:
         """Before a recall is sent: the copy waits for what the compute stream has queued so far."""
-        self.ready.record(self.stream)
+        self.ready_event.record(self.stream)
 
     def landed(self, sequence: int) -> None:
         """After the engine answered: the compute stream waits on the GPU, not this thread."""
-        self.stream.wait_event(self.done)
+        self.stream.wait_event(self.landed_event)
 
 
 class Staging:
@@ -119,8 +120,8 @@ class CudaTarget:
                 message.sync_event or None,
                 message.sync_required,
             )
-            self.ready = torch.cuda.Event.from_ipc_handle(self.device, message.ready_event)
-            self.done = torch.cuda.Event.from_ipc_handle(self.device, message.landed_event)
+            self.ready_event = torch.cuda.Event.from_ipc_handle(self.device, message.ready_event)
+            self.landed_event = torch.cuda.Event.from_ipc_handle(self.device, message.landed_event)
         except RuntimeError as e:
             raise ValueError(
                 f"worker {request.worker_id}'s CUDA IPC handles did not open ({e}): the worker and the kv_store must see the same "
@@ -136,7 +137,7 @@ class CudaTarget:
         """Queues the recall on the engine's stream, after the worker's `ready`. `units` is the
         engine's CPU view of the pool, which the engine registered as mapped."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.stream.wait_event(self.ready)
+            self.stream.wait_event(self.ready_event)
             k, v = self.k[layer], self.v[layer]
             dst = device_blocks.to(self.device)
             if staged(units[0].numel() * units.element_size(), heads, self.staging_min_bytes):
@@ -146,7 +147,7 @@ class CudaTarget:
                 recall_triton(units, rows.to(self.device), k, v, dst, head_index, source=MappedHost(units.data_ptr(), units.dtype))
 
     def complete(self, sequence: int) -> None:
-        self.done.record(self.stream)
+        self.landed_event.record(self.stream)
 
     def close(self) -> None:
         self.stream.synchronize()  # no copy may still write into the worker's memory once it is unmapped
