@@ -138,13 +138,13 @@ def sparse_mask(geometry: OffloadGeometry, start: int, scorer: Scorer | None, lo
             window = g.window_start(position + 1) * size
             allowed[t, : position + 1] = True
             hosted = window // size - g.sink_blocks
-            if scorer is None or hosted <= g.hot_blocks:
+            if scorer is None or hosted <= g.budget_blocks:
                 continue
             host_start = g.sink_blocks * size
             blocks = keys[host_start:window].view(hosted, size, *keys.shape[1:])
             scores = scorer(ScoringInput(q[t], blocks, keys[: position + 1], host_start, layer, lowrank_scorer))
             dropped = torch.ones(hosted, dtype=torch.bool)
-            dropped[scores.topk(g.hot_blocks).indices] = False
+            dropped[scores.topk(g.budget_blocks).indices] = False
             allowed[t, host_start:window] &= ~dropped.repeat_interleave(size)
         return allowed
 

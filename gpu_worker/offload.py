@@ -64,7 +64,11 @@ RECALL_PARTS = 8  # with a recall deadline: each layer's gather in this many par
 class OffloadConfig:
     sink: int = 64  # tokens at the start of the context, always attended, kept on device
     recent: int = 256  # recent window kept on device (the partly filled block included)
-    budget: int = 1024  # host-tier tokens selected per (request, layer); the hot buffer holds this many
+    budget: int = 1024  # host-tier tokens selected per (request, layer)
+    # hot-buffer tokens beyond the budget: blocks selected at earlier steps (or prefetched and
+    # then not selected) stay on device until evicted, least recently selected first, so fewer
+    # are recalled again; the same blocks are attended. Costs this much device KV per offloaded request
+    hot_extra: int = 0
     # what selection scores host blocks by (gpu_worker/sparse.py): lowrank, each block's keys
     # projected on --key-rank principal directions of the layer's keys (a calibration pass at
     # start) and scored by the attention they draw; quest, the Quest bound of each block's min/max
@@ -114,11 +118,15 @@ class OffloadConfig:
         return self.layer_ahead == "on" or (self.layer_ahead == "auto" and device.type == "cuda")
 
     def geometry(self, block_size: int) -> OffloadGeometry:
-        for name, low in (("sink", 0), ("recent", block_size), ("budget", block_size)):
+        for name, low in (("sink", 0), ("recent", block_size), ("budget", block_size), ("hot_extra", 0)):
             value = getattr(self, name)
             if value < low or value % block_size:
-                raise ValueError(f"--{name} must be a multiple of the block size ({block_size}) and at least {low}, got {value}")
-        return OffloadGeometry(block_size, self.sink // block_size, self.recent // block_size, self.budget // block_size)
+                flag = name.replace("_", "-")
+                raise ValueError(f"--{flag} must be a multiple of the block size ({block_size}) and at least {low}, got {value}")
+        budget_blocks = self.budget // block_size
+        return OffloadGeometry(
+            block_size, self.sink // block_size, self.recent // block_size, budget_blocks, budget_blocks + self.hot_extra // block_size
+        )
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,8 @@ class OffloadGeometry:
     block_size: int
     sink_blocks: int
     ring_blocks: int
-    hot_blocks: int
+    budget_blocks: int  # host blocks selected per (request, layer)
+    hot_blocks: int  # the hot buffer's capacity: at least the budget
 
     @property
     def device_blocks(self) -> int:
@@ -594,7 +603,7 @@ class OffloadStep:
         counts = [g.window_start(seq.length) - g.sink_blocks for seq in seqs]
         index = torch.tensor([row for _, row in rows], dtype=torch.long, device=q.device)
         picks = select_blocks(
-            self.manager.scorer, layer, q[index], [seq.summaries for seq in seqs], counts, g.hot_blocks, self.manager.per_head
+            self.manager.scorer, layer, q[index], [seq.summaries for seq in seqs], counts, g.budget_blocks, self.manager.per_head
         )
         selections, ranked = {}, []
         for (seq_id, row), seq, chosen in zip(rows, seqs, picks):

@@ -96,6 +96,21 @@ def test_layer_ahead_recall_and_suspension_change_timing_never_tokens(model, cor
         assert ahead["suspended_rows"] > 0
 
 
+@pytest.mark.parametrize("mode", ["pulse", "headwise"])
+def test_a_hot_buffer_beyond_the_budget_recalls_less_and_attends_the_same(model, corpus, mode):
+    """Blocks selected at earlier steps stay in the extra hot-buffer room: fewer are recalled
+    again, and the selection (so the tokens) is unchanged."""
+    prompts = [corpus[:1000], corpus[7000:8300]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for extra in (0, 128):
+        engine = _engine(model, "always", 16384, mode=mode, sink=32, recent=64, budget=128, hot_extra=extra)
+        runs[extra] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
+        _assert_all_freed(engine)
+    assert runs[128][0] == runs[0][0]
+    assert 0 < runs[128][1]["recalled_units"] < runs[0][1]["recalled_units"]
+
+
 def test_recall_deadline_that_never_expires_changes_nothing(model, corpus):
     """With a deadline each layer's gather lands in parts on the I/O thread; when they all land in
     time, a budget covering every block still gives the dense tokens, layer-ahead recall on."""
@@ -176,8 +191,12 @@ def test_offload_config_is_checked():
         OffloadConfig(recent=100).geometry(16)
     with pytest.raises(ValueError, match="--budget"):
         OffloadConfig(budget=0).geometry(16)
+    with pytest.raises(ValueError, match="--hot-extra"):
+        OffloadConfig(hot_extra=8).geometry(16)
     g = OffloadConfig(sink=32, recent=64, budget=128).geometry(16)
-    assert (g.sink_blocks, g.ring_blocks, g.hot_blocks, g.device_blocks) == (2, 4, 8, 14)
+    assert (g.sink_blocks, g.ring_blocks, g.budget_blocks, g.hot_blocks, g.device_blocks) == (2, 4, 8, 8, 14)
+    g = OffloadConfig(sink=32, recent=64, budget=128, hot_extra=64).geometry(16)
+    assert (g.budget_blocks, g.hot_blocks, g.device_blocks) == (8, 12, 18)
     assert g.window_start(32) == 2 and g.window_start(16 * 10 + 1) == 7
 
 
