@@ -10,8 +10,8 @@ by default only on CUDA, IO-adaptive admission), and pulse with one feature off:
 (head-wise selection), `pulse-no-gather` (one copy per recalled unit), `pulse-no-layer-ahead` (recalls in
 line at their layer: the same as `pulse` on the CPU), `pulse-no-admission` (every request offloaded,
 whether or not it fits); `pulse-quest` selects by the Quest bound of min/max key summaries instead of the
-default low-rank keys (cheaper to score, less accurate); `pulse-hot2x` keeps a hot buffer twice the budget
-(`--hot-extra` = `--budget`: fewer recalls, the same blocks attended, a larger device footprint per
+default low-rank keys (cheaper to score, less accurate); `pulse-hot` gives the hot buffer `--hot-extra`
+tokens beyond the budget (fewer recalls, the same blocks attended, a larger device footprint per
 offloaded request).
 
 Steps either prefill or decode, prefill first (SGLang's default scheduling), so each mode decodes as many
@@ -43,7 +43,7 @@ from scheduler.batcher import BatcherConfig
 from scheduler.request import SamplingParams
 
 BASELINES = ("dense", "headwise", "pulse")
-ABLATIONS = ("pulse-no-solohead", "pulse-no-gather", "pulse-no-layer-ahead", "pulse-no-admission", "pulse-quest", "pulse-hot2x")
+ABLATIONS = ("pulse-no-solohead", "pulse-no-gather", "pulse-no-layer-ahead", "pulse-no-admission", "pulse-quest", "pulse-hot")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class DecodeBenchConfig:
     device_kv_tokens: int = 0  # the device KV pool in tokens; overrides --device-kv-share when set
     modes: str = ",".join(BASELINES)  # any of BASELINES and ABLATIONS
     budget: int = 1024  # host-tier tokens selected per (request, layer)
+    hot_extra: int = 1024  # mode pulse-hot: hot-buffer tokens beyond the budget
     sink: int = 64
     recent: int = 256
     block_size: int = 16
@@ -96,7 +97,7 @@ def engine_config(mode: str, config: DecodeBenchConfig) -> EngineConfig:
         layer_ahead="off" if mode in ("headwise", "pulse-no-layer-ahead") else "auto",
         gather=mode != "pulse-no-gather",
         scorer="quest" if mode == "pulse-quest" else OffloadConfig.scorer,
-        hot_extra=config.budget if mode == "pulse-hot2x" else 0,
+        hot_extra=config.hot_extra if mode == "pulse-hot" else 0,
     )
     policy = {"dense": "never", "pulse-no-admission": "always"}.get(mode, "auto")
     host_tokens = sum(length + config.output_tokens + config.block_size for length in config.lengths())
