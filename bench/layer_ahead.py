@@ -34,7 +34,7 @@ from kv_store.client import KVStoreClient, RemoteRecall
 from kv_store.view import PoolView
 from pulseinfer import probe
 from pulseinfer.engine import Engine, EngineConfig
-from pulseinfer.launcher import Child
+from pulseinfer.launcher import Child, wait_ready
 from scheduler.batcher import BatcherConfig
 from scheduler.request import SamplingParams
 
@@ -58,7 +58,7 @@ def kv_store_tier(loaded: LoadedModel, worker: WorkerConfig, host_kv_tokens: int
         child.start()
         client, view = None, None
         try:
-            _wait_ready(address, child)
+            wait_ready([child], lambda: probe.kv_store(address), time.monotonic() + 120)
             client = KVStoreClient(context, address)
             view = PoolView.attach(client.register(WORKER_ID), c.num_kv_heads, worker.block_size, c.head_dim, worker.torch_dtype())
 
@@ -75,18 +75,6 @@ def kv_store_tier(loaded: LoadedModel, worker: WorkerConfig, host_kv_tokens: int
             child.stop()
             child.wait_or_kill(time.monotonic() + 30)
             context.destroy(linger=0)
-
-
-def _wait_ready(address: str, child: Child, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            probe.kv_store(address)
-            return
-        except probe.NotReady:
-            if time.monotonic() > deadline or child.exited() is not None:
-                raise
-            time.sleep(0.2)
 
 
 def decode(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[float]]:

@@ -85,6 +85,23 @@ class Child:
             self.process.wait()
 
 
+def wait_ready(children: list[Child], ready: Callable[[], object], deadline: float) -> None:
+    """Polls `ready` until it stops raising probe.NotReady; fails early if a child exits, or at `deadline`."""
+    last = "not started"
+    while time.monotonic() < deadline:
+        for child in children:
+            if (code := child.exited()) is not None:
+                raise RuntimeError(f"{child.name} exited with code {code} during startup (its error is above)")
+        try:
+            ready()
+            return
+        except probe.NotReady as e:
+            last = str(e)
+        time.sleep(0.2)
+    names = ", ".join(c.name for c in children)
+    raise RuntimeError(f"{names} not ready by the startup deadline: {last}")
+
+
 class Cluster:
     def __init__(self, config: ServeConfig, run_dir: Path):
         self.config = config
@@ -146,22 +163,7 @@ class Cluster:
         for children, ready in steps:
             for child in children:
                 child.start()
-            self._wait_ready(children, ready, deadline)
-
-    def _wait_ready(self, children: list[Child], ready: Callable[[], object], deadline: float) -> None:
-        last = "not started"
-        while time.monotonic() < deadline:
-            for child in children:
-                if (code := child.exited()) is not None:
-                    raise RuntimeError(f"{child.name} exited with code {code} during startup (its error is above)")
-            try:
-                ready()
-                return
-            except probe.NotReady as e:
-                last = str(e)
-            time.sleep(0.2)
-        names = ", ".join(c.name for c in children)
-        raise RuntimeError(f"{names} not ready after {self.config.startup_timeout_s:.0f} s: {last}")
+            wait_ready(children, ready, deadline)
 
     def supervise(self) -> None:
         """Restarts children that die, until a signal ends the launcher."""
