@@ -26,11 +26,10 @@ from pathlib import Path
 import zmq
 
 from bench.decode import agreement
-from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.offload import HostTier, OffloadConfig
 from gpu_worker.runner import WorkerConfig
-from kv_store.client import KVStoreClient, RemoteRecall
+from kv_store.client import KVStoreClient
 from kv_store.view import PoolView
 from pulseinfer import probe
 from pulseinfer.engine import Engine, EngineConfig
@@ -59,14 +58,9 @@ def kv_store_tier(loaded: LoadedModel, worker: WorkerConfig, host_kv_tokens: int
         client, view = None, None
         try:
             wait_ready([child], lambda: probe.kv_store(address), time.monotonic() + 120)
-            client = KVStoreClient(context, address)
+            client = KVStoreClient(context, address, timeout_s=60)
             view = PoolView.attach(client.register(WORKER_ID), c.num_kv_heads, worker.block_size, c.head_dim, worker.torch_dtype())
-
-            def open_target(cache: PagedKVCache) -> RemoteRecall:
-                client.open_recall(cache.recall_target(WORKER_ID))
-                return RemoteRecall(context, address, WORKER_ID, cache.completion, timeout_s=60)
-
-            yield HostTier(view, client, None, open_target)
+            yield HostTier(view, client, None, client.open_recall_engine)
         finally:
             if view is not None:
                 view.close()

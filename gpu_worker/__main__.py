@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import zmq
 
-from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model.loader import load_model
 from gpu_worker.offload import HostTier
 from gpu_worker.server import Worker, WorkerServiceConfig
-from kv_store.client import KVStoreClient, RemoteRecall
+from kv_store.client import KVStoreClient
 from kv_store.view import PoolView
 from pulseinfer.flags import parse_config
 from pulseinfer.proc import run_service, setup_logging, stop_on_signals
@@ -32,11 +31,7 @@ def main() -> None:
                 view.pin()
             return view
 
-        def open_recall_target(cache: PagedKVCache) -> RemoteRecall:
-            kv_store.open_recall(cache.recall_target(config.worker_id))
-            return RemoteRecall(context, config.kv_store, config.worker_id, cache.completion, config.kv_store_timeout_s)
-
-        engine = open_recall_target if config.engine_recalls else None
+        engine = kv_store.open_recall_engine if config.engine_recalls else None
         Worker(config, loaded, HostTier(attach(), kv_store, attach, engine)).serve(context, stop)
     finally:
         context.destroy(linger=0)

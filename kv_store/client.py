@@ -16,6 +16,8 @@ from proto.pulseinfer.v1 import kv_store_pb2 as pb
 if TYPE_CHECKING:  # the control API (probes) must not pay for importing torch
     import torch
 
+    from gpu_worker.kv_cache import PagedKVCache
+
 
 class KVStoreUnavailable(RuntimeError):
     pass
@@ -89,6 +91,13 @@ class KVStoreClient:
 
     def open_recall(self, target: pb.OpenRecallTarget) -> None:
         self.call(pb.KVStoreRequest(open_recall=target))
+
+    def open_recall_engine(self, cache: PagedKVCache) -> RemoteRecall:
+        """Opens this worker's shared `cache` as the I/O engine's recall target; recalls then go through the result."""
+        if self.worker_id is None:
+            raise RuntimeError("register with the kv_store before opening a recall target")
+        self.open_recall(cache.recall_target(self.worker_id))
+        return RemoteRecall(self.context, self.address, self.worker_id, cache.completion, self.timeout_s)
 
     def stats(self) -> pb.KVStoreStats:
         return self.call(pb.KVStoreRequest(stats=pb.StatsQuery())).stats
