@@ -20,6 +20,12 @@ time; the prefill all modes share is timed apart. TPOT is, per request, the mean
 that produced its tokens; `tpot_with_stalls` also counts the prefill steps of later requests it waited
 through (its last token's time minus its first's, over the tokens between).
 
+Agreement with dense is the share of greedy tokens equal to dense's at the same position. Run freely,
+one differing token changes the continuation after it, so the share measures where the first
+difference falls more than how often the selection changes a token. With `--teacher-forced` the other
+modes decode dense's tokens (the same contexts, the same work) and agreement counts the positions where
+their own greedy token is dense's: the per-token accuracy.
+
 With `--rounds N` every mode runs N times, in the given order in even rounds and reversed in
 odd ones (dense, pulse, pulse, dense), so no mode always runs first or last on a machine whose
 speed drifts; each mode's numbers are the means over its rounds (tokens and per-layer bytes
@@ -35,11 +41,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.offload import OffloadConfig
 from gpu_worker.runner import WorkerConfig
 from pulseinfer.engine import Engine, EngineConfig
 from scheduler.batcher import BatcherConfig
+from scheduler.plan import Chunk
 from scheduler.request import SamplingParams
 
 BASELINES = ("dense", "headwise", "pulse")
@@ -60,6 +69,9 @@ class DecodeBenchConfig:
     recent: int = 256
     block_size: int = 16
     rounds: int = 1  # runs of every mode, the order reversed every other round
+    # the other modes decode dense's tokens (dense runs first) and agreement counts the positions where
+    # their greedy token is dense's: one differing token no longer changes every token after it
+    teacher_forced: bool = False
 
     def lengths(self) -> list[int]:
         low, _, high = self.context.partition("-")
@@ -83,6 +95,8 @@ class DecodeBenchConfig:
         unknown = [m for m in modes if m not in BASELINES + ABLATIONS]
         if unknown or not modes:
             raise ValueError(f"--modes takes {', '.join(BASELINES + ABLATIONS)}; got {self.modes!r}")
+        if self.teacher_forced and modes[0] != "dense":
+            raise ValueError("--teacher-forced decodes dense's tokens in the other modes: --modes must start with dense")
         return modes
 
 
@@ -120,11 +134,32 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_mode(mode: str, config: DecodeBenchConfig, loaded: LoadedModel, requests: list[list[int]]) -> dict:
-    """Serves the requests in one mode; timings per step and per request, recall statistics, tokens."""
+class TeacherForcing:
+    """Feeds each request the reference's tokens, counting where the greedy token agrees with them."""
+
+    def __init__(self, reference: dict[str, list[int]], prompt_lengths: dict[str, int]):
+        self.reference, self.prompt_lengths = reference, prompt_lengths
+        self.agreed = self.total = 0
+
+    def __call__(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        forced = [self.reference[c.seq_id][c.end_pos - self.prompt_lengths[c.seq_id]] for c in chunks]
+        self.agreed += sum(a == b for a, b in zip(greedy, forced))
+        self.total += len(forced)
+        return forced
+
+
+def run_mode(
+    mode: str, config: DecodeBenchConfig, loaded: LoadedModel, requests: list[list[int]], reference: list[list[int]] | None = None
+) -> dict:
+    """Serves the requests in one mode; timings per step and per request, recall statistics, tokens.
+    With `reference` (tokens per request) the requests decode those tokens (teacher forcing)."""
     engine = Engine(engine_config(mode, config), loaded)
     params = SamplingParams(max_tokens=config.output_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.submit(prompt, params) for prompt in requests]
+    forcing = None
+    if reference is not None:
+        forcing = TeacherForcing(dict(zip(ids, reference)), {seq_id: len(prompt) for seq_id, prompt in zip(ids, requests)})
     token_times: dict[str, list[float]] = {seq_id: [] for seq_id in ids}
     decode_time: dict[str, float] = dict.fromkeys(ids, 0.0)  # summed time of the decode steps each request was in
     tokens: dict[str, list[int]] = {}
@@ -132,7 +167,7 @@ def run_mode(mode: str, config: DecodeBenchConfig, loaded: LoadedModel, requests
     started = time.perf_counter()
     while engine.batcher.has_work():
         before = time.perf_counter()
-        finished = engine.step()
+        finished = engine.step(forcing)
         now = time.perf_counter()
         plan = engine.last_plan
         for completion in finished:
@@ -176,6 +211,7 @@ def run_mode(mode: str, config: DecodeBenchConfig, loaded: LoadedModel, requests
         "prefill_s": prefill_s,
         "wall_s": wall,
         "tokens": [tokens[seq_id] for seq_id in ids],
+        **({"agreement_teacher_forced": forcing.agreed / forcing.total} if forcing else {}),
     }
 
 
@@ -209,13 +245,15 @@ def run(config: DecodeBenchConfig, loaded: LoadedModel | None = None, log=print)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for round_ in range(config.rounds):
         for mode in modes if round_ % 2 == 0 else modes[::-1]:
-            row = run_mode(mode, config, loaded, requests)
+            reference = runs["dense"][0]["tokens"] if config.teacher_forced and mode != "dense" else None
+            row = run_mode(mode, config, loaded, requests, reference)
             runs[mode].append(row)
             log(f"round {round_}, {mode}: {row['decode_tok_s']:.2f} decode tok/s, batch {row['mean_decode_batch']:.1f}")
     rows = {mode: mean_of_rounds(runs[mode]) for mode in modes}
     if "dense" in rows:
         for row in rows.values():
-            row["agreement_with_dense"] = agreement(row["tokens"], rows["dense"]["tokens"])
+            forced = row.get("agreement_teacher_forced")
+            row["agreement_with_dense"] = agreement(row["tokens"], rows["dense"]["tokens"]) if forced is None else forced
     settings = {**dataclasses.asdict(config), "lengths": config.lengths(), "device_kv_tokens": config.device_tokens()}
     return {"settings": settings, "modes": list(rows.values()), "ratios": ratios(rows)}
 
