@@ -91,7 +91,9 @@ def run_path(loaded: LoadedModel, host: HostTier | None, args: argparse.Namespac
     results, tokens = {}, {}
     for name, ahead, suspend, deadline in RUNS:
         deadline_ms = args.deadline_ms if deadline else None
-        offload = OffloadConfig(budget=args.budget, layer_ahead=ahead, suspend=suspend, recall_deadline_ms=deadline_ms)
+        offload = OffloadConfig(
+            budget=args.budget, hot_extra=args.hot_extra, layer_ahead=ahead, suspend=suspend, recall_deadline_ms=deadline_ms
+        )
         worker = WorkerConfig(device_kv_tokens=65536, offload=offload)
         engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload="always")), loaded, host)
         started = time.perf_counter()
@@ -126,6 +128,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--hot-extra", type=int, default=0, help="hot-buffer tokens beyond the budget (layer-ahead fills them)")
     parser.add_argument("--deadline-ms", type=float, default=0.0)
     parser.add_argument("--paths", default="worker,engine", help="recall paths to compare: worker, engine")
     parser.add_argument("--json", type=Path)

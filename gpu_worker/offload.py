@@ -487,8 +487,10 @@ class OffloadStep:
 
     def prefetch(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> None:
         """Layer-ahead recall: selects `layer`'s blocks with a predicted query of each decode row
-        and starts recalling the misses on the I/O thread; decode_tables(layer) waits for it."""
-        _, recalls = self._plan(layer, q)
+        and starts recalling the misses on the I/O thread; decode_tables(layer) waits for it. The
+        prediction fills the hot buffer's whole capacity (room beyond the budget: more of what the
+        true query picks is already on its way); the true query's selection never evicts its own blocks."""
+        _, recalls = self._plan(layer, q, self.geometry.hot_blocks)
         if recalls:
             self._submit(layer, cache, recalls)
             self.manager.add_recall(prefetched_units=len(recalls))
@@ -567,7 +569,7 @@ class OffloadStep:
         """Every selected block lands before attention: the layer-ahead recall first (the true
         query's misses may take its blocks), then the misses, copied on this thread."""
         self._timed(self._settle, layer, None)
-        selections, recalls = self._plan(layer, q)
+        selections, recalls = self._plan(layer, q, self.geometry.budget_blocks)
         if recalls:
             self._correct(layer, recalls)
             self._timed(self._recall, layer, cache, RecallJob(recalls))
@@ -576,7 +578,7 @@ class OffloadStep:
     def _start_recalls(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> dict[int, list[list[int]]]:
         """Selects with the true query; its misses queue behind the layer-ahead recall on the I/O
         thread (so blocks are written in the order they were assigned)."""
-        selections, recalls = self._plan(layer, q)
+        selections, recalls = self._plan(layer, q, self.geometry.budget_blocks)
         if recalls:
             self._correct(layer, recalls)
             self._submit(layer, cache, recalls)
@@ -594,17 +596,15 @@ class OffloadStep:
         finally:
             self.manager.add_recall(io_wait_s=time.perf_counter() - started)
 
-    def _plan(self, layer: int, q: torch.Tensor) -> tuple[dict[int, list[list[int]]], list[Recall]]:
-        """Selects each decode row's blocks for query q (one row per decode sequence) and updates
-        its hot buffer: the selections by row, and the misses by rank across the rows."""
+    def _plan(self, layer: int, q: torch.Tensor, budget: int) -> tuple[dict[int, list[list[int]]], list[Recall]]:
+        """Selects each decode row's top-`budget` blocks for query q (one row per decode sequence)
+        and updates its hot buffer: the selections by row, and the misses by rank across the rows."""
         g = self.geometry
         rows = list(self.decode_rows.items())
         seqs = [self.by_id[seq_id] for seq_id, _ in rows]
         counts = [g.window_start(seq.length) - g.sink_blocks for seq in seqs]
         index = torch.tensor([row for _, row in rows], dtype=torch.long, device=q.device)
-        picks = select_blocks(
-            self.manager.scorer, layer, q[index], [seq.summaries for seq in seqs], counts, g.budget_blocks, self.manager.per_head
-        )
+        picks = select_blocks(self.manager.scorer, layer, q[index], [seq.summaries for seq in seqs], counts, budget, self.manager.per_head)
         selections, ranked = {}, []
         for (seq_id, row), seq, chosen in zip(rows, seqs, picks):
             selected = [[g.sink_blocks + i for i in group] for group in chosen]

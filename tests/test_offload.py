@@ -111,6 +111,20 @@ def test_a_hot_buffer_beyond_the_budget_recalls_less_and_attends_the_same(model,
     assert 0 < runs[128][1]["recalled_units"] < runs[0][1]["recalled_units"]
 
 
+def test_layer_ahead_fills_the_room_beyond_the_budget_and_attends_the_same(model, corpus):
+    """The predicted query selects the hot buffer's whole capacity: the true query finds more of
+    its blocks recalled ahead (fewer recalled in line), and attends what synchronous recall does."""
+    prompts = [corpus[:1000], corpus[7000:8300]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for extra, ahead in ((0, "off"), (0, "on"), (128, "on")):
+        engine = _engine(model, "always", 16384, sink=32, recent=64, budget=128, hot_extra=extra, layer_ahead=ahead, suspend=True)
+        runs[extra, ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
+        _assert_all_freed(engine)
+    assert runs[128, "on"][0] == runs[0, "on"][0] == runs[0, "off"][0]
+    assert 0 < runs[128, "on"][1]["corrected_units"] < runs[0, "on"][1]["corrected_units"]
+
+
 def test_recall_deadline_that_never_expires_changes_nothing(model, corpus):
     """With a deadline each layer's gather lands in parts on the I/O thread; when they all land in
     time, a budget covering every block still gives the dense tokens, layer-ahead recall on."""
