@@ -269,6 +269,8 @@ def table(result: dict) -> str:
             f"{r['mean_decode_batch']:6.1f} {r['recall_bytes_per_step'] / 1e6:8.1f} {r['recall_transfers_per_step']:14.0f} "
             f"{r['io_wait_s']:9.2f} {r.get('agreement_with_dense', float('nan')):6.3f}"
         )
+    if result["settings"]["teacher_forced"]:
+        lines.append("agree: teacher-forced, the share of positions where the mode's greedy token is dense's")
     lines += [f"{name}: {value:.2f}" for name, value in result["ratios"].items()]
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.decode import DecodeBenchConfig, TeacherForcing, run
+from bench.decode import DecodeBenchConfig, TeacherForcing, run, table
 from scheduler.plan import Chunk
 
 
@@ -25,7 +25,9 @@ def test_teacher_forced_modes_decode_dense_tokens(model):
         requests=2, context="600-700", output_tokens=6, device_kv_tokens=1024, sink=16, recent=32, budget=32,
         modes="dense,pulse-no-admission", teacher_forced=True,
     )  # fmt: skip
-    dense, pulse = run(config, model, log=lambda _: None)["modes"]
+    result = run(config, model, log=lambda _: None)
+    dense, pulse = result["modes"]
+    assert "agree: teacher-forced" in table(result)
     assert pulse["tokens"] == dense["tokens"] and pulse["offloaded_requests"] == 2
     assert 0 < pulse["agreement_teacher_forced"] <= 1 and pulse["agreement_with_dense"] == pulse["agreement_teacher_forced"]
     assert "agreement_teacher_forced" not in dense
