@@ -31,9 +31,8 @@ from gpu_worker.offload import HostTier, OffloadConfig
 from gpu_worker.runner import WorkerConfig
 from kv_store.client import KVStoreClient
 from kv_store.view import PoolView
-from pulseinfer import probe
 from pulseinfer.engine import Engine, EngineConfig
-from pulseinfer.launcher import Child, wait_ready
+from pulseinfer.launcher import start_kv_store
 from scheduler.batcher import BatcherConfig
 from scheduler.request import SamplingParams
 
@@ -53,11 +52,9 @@ def kv_store_tier(loaded: LoadedModel, worker: WorkerConfig, host_kv_tokens: int
     c, context = loaded.config, zmq.Context()
     with tempfile.TemporaryDirectory() as run_dir:
         address = f"ipc://{run_dir}/kv_store"
-        child = Child("kv_store", "kv_store", ["--bind", address, "--host-kv-tokens", str(host_kv_tokens)])
-        child.start()
+        child = start_kv_store(address, host_kv_tokens)
         client, view = None, None
         try:
-            wait_ready([child], lambda: probe.kv_store(address), time.monotonic() + 120)
             client = KVStoreClient(context, address, timeout_s=60)
             view = PoolView.attach(client.register(WORKER_ID), c.num_kv_heads, worker.block_size, c.head_dim, worker.torch_dtype())
             yield HostTier(view, client, None, client.open_recall_engine)

@@ -102,6 +102,20 @@ def wait_ready(children: list[Child], ready: Callable[[], object], deadline: flo
     raise RuntimeError(f"{names} not ready by the startup deadline: {last}")
 
 
+def start_kv_store(address: str, host_kv_tokens: int, *flags: str, timeout_s: float = 120.0) -> Child:
+    """A kv_store process of its own serving at `address`, once it answers (a benchmark's or a
+    test's; the cluster starts its kv_store with the other services). Killed if it does not."""
+    child = Child("kv_store", "kv_store", ["--bind", address, "--host-kv-tokens", str(host_kv_tokens), *flags])
+    child.start()
+    try:
+        wait_ready([child], lambda: probe.kv_store(address), time.monotonic() + timeout_s)
+    except RuntimeError:
+        child.process.kill()
+        child.process.wait()
+        raise
+    return child
+
+
 class Cluster:
     def __init__(self, config: ServeConfig, run_dir: Path):
         self.config = config

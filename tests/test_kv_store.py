@@ -22,8 +22,7 @@ from kv_store.cuda_ipc import STAGING_BYTES, Staging, staged
 from kv_store.engine import CacheShape
 from kv_store.view import CUDA_REGISTER_CHUNK, PoolMismatch, PoolView, register_host_range
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
-from pulseinfer import probe
-from pulseinfer.launcher import Child, wait_ready
+from pulseinfer.launcher import Child, start_kv_store
 
 # SmolLM2-135M: 3 kv heads x 64 dims; the pool is for fp32, block 16
 KV_HEADS, HEAD_DIM, BLOCK = 3, 64, 16
@@ -57,17 +56,6 @@ MAPPER = textwrap.dedent(
 )
 
 
-def start_kv_store(address: str, *flags: str) -> Child:
-    child = Child("kv_store", "kv_store", ["--bind", address, "--host-kv-tokens", str(POOL_TOKENS), *flags])
-    child.start()
-    try:
-        wait_ready([child], lambda: probe.kv_store(address), time.monotonic() + 60)
-    except RuntimeError:
-        child.process.kill()
-        raise
-    return child
-
-
 def stop_kv_store(child: Child) -> None:
     child.stop()
     assert child.process.wait(timeout=30) == 0  # SIGTERM is a clean shutdown
@@ -76,7 +64,7 @@ def stop_kv_store(child: Child) -> None:
 @pytest.fixture(scope="module")
 def kv_store(tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('kv')}/kv_store"
-    child = start_kv_store(address)
+    child = start_kv_store(address, POOL_TOKENS, timeout_s=60)
     yield address
     stop_kv_store(child)
 
@@ -85,7 +73,7 @@ def kv_store(tmp_path_factory):
 def staging_kv_store(tmp_path_factory):
     """A kv_store whose engine stages every whole-unit recall into a CUDA cache (the default maps 24 KiB units)."""
     address = f"ipc://{tmp_path_factory.mktemp('kv')}/kv_store"
-    child = start_kv_store(address, "--staging-min-kib", "1")
+    child = start_kv_store(address, POOL_TOKENS, "--staging-min-kib", "1", timeout_s=60)
     yield address
     stop_kv_store(child)
 
