@@ -1,6 +1,7 @@
 """Time the compute waits on recalls: synchronous recall, suspension alone (rows whose recalls
-are in flight attend after the others), layer-ahead recall without and with suspension, and
-layer-ahead recall with a per-layer deadline, side by side in one run (the same offloaded
+are in flight attend after the others), layer cursors alone (those rows resume from their layer
+after the others have run every layer), layer-ahead recall without suspension, with it and with
+layer cursors, and layer-ahead recall with a per-layer deadline, side by side in one run (the same offloaded
 requests decoded again and again on one loaded model), for each recall path:
 - `worker`: the worker's own I/O thread copies from its mapping of the pool (the in-process engine);
 - `engine`: a kv_store process's I/O engine copies into the worker's cache (as `pulseinfer serve` runs).
@@ -37,11 +38,13 @@ from scheduler.batcher import BatcherConfig
 from scheduler.request import SamplingParams
 
 RUNS = (  # name, --layer-ahead, --suspend, with --deadline-ms
-    ("synchronous", "off", False, False),
-    ("suspension", "off", True, False),
-    ("layer_ahead", "on", False, False),
-    ("layer_ahead_suspension", "on", True, False),
-    ("layer_ahead_deadline", "on", False, True),
+    ("synchronous", "off", "off", False),
+    ("suspension", "off", "layer", False),
+    ("cursors", "off", "cursor", False),
+    ("layer_ahead", "on", "off", False),
+    ("layer_ahead_suspension", "on", "layer", False),
+    ("layer_ahead_cursors", "on", "cursor", False),
+    ("layer_ahead_deadline", "on", "off", True),
 )
 WORKER_ID = 0
 

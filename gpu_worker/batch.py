@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,6 +33,45 @@ class ForwardBatch:
     prefills: tuple[PrefillSpan, ...]
     sample_index: torch.Tensor  # [S] flat index of the tokens whose logits are sampled
     chunk_starts: dict[str, int]  # seq_id -> flat index of its chunk's first token
+
+    def subset(self, decode_rows: list[int], prefills: bool) -> tuple[ForwardBatch, torch.Tensor]:
+        """These decode rows (in row order), with every prefill chunk too or without them, as a batch
+        of their own; and the flat index here of each of its tokens. Rows suspended at a layer go on
+        as such a batch, and so do the others."""
+        device, total = self.input_ids.device, len(self.input_ids)
+        decode_index = self.decode_index.cpu()
+        keep = torch.zeros(total, dtype=torch.bool)
+        if prefills:
+            for span in self.prefills:
+                keep[span.start : span.end] = True
+        keep[decode_index[decode_rows]] = True
+        tokens = keep.nonzero().squeeze(1)
+        new = torch.full((total,), -1, dtype=torch.long)
+        new[tokens] = torch.arange(len(tokens))
+        resident = self.resident_index.cpu()
+        kept_resident = keep[resident]
+        sampled = self.sample_index.cpu()
+        rows = torch.tensor(decode_rows, dtype=torch.long)
+        on = rows.to(device)
+        batch = ForwardBatch(
+            input_ids=self.input_ids[tokens.to(device)],
+            positions=self.positions[tokens.to(device)],
+            resident_index=new[resident[kept_resident]].to(device),
+            write_slots=self.write_slots[kept_resident.to(device)],
+            decode_index=new[decode_index[rows]].to(device),
+            decode_seq_ids=tuple(self.decode_seq_ids[r] for r in decode_rows),
+            decode_rows=tuple(self.decode_rows[r] for r in decode_rows),
+            decode_block_tables=self.decode_block_tables[on],
+            decode_ctx_lens=self.decode_ctx_lens[on],
+            prefills=tuple(
+                replace(span, start=int(new[span.start]), end=int(new[span.start]) + span.end - span.start) for span in self.prefills
+            )
+            if prefills
+            else (),
+            sample_index=new[sampled[keep[sampled]]].to(device),
+            chunk_starts={seq_id: int(new[start]) for seq_id, start in self.chunk_starts.items() if keep[start]},
+        )
+        return batch, tokens.to(device)
 
 
 def token_slots(block_table: tuple[int, ...], start: int, end: int, block_size: int) -> torch.Tensor:

@@ -57,6 +57,7 @@ class HostTier:
 
 
 LAYER_AHEAD = ("auto", "on", "off")
+SUSPEND = ("off", "layer", "cursor")
 RECALL_PARTS = 8  # with a recall deadline: each layer's gather in this many parts, landing in score order
 
 
@@ -90,12 +91,15 @@ class OffloadConfig:
     # for every recall. Pulse mode only: a head-wise row cannot drop blocks of some heads alone.
     # On CUDA a part has "landed" once queued on the stream ahead of attention: nothing is cut
     recall_deadline_ms: float | None = None
-    # a decode row whose recalls are still in flight at a layer waits while the batch's other rows
-    # attend (the misses then copy on the I/O thread, not in line); pulse mode only, the head-wise
-    # baseline recalls synchronously. No effect with a recall deadline (it never waits past it).
-    # Off by default: on the CPU nearly every row misses a block at every layer, so few rows can
-    # go ahead and the hand-off to the I/O thread made the wait longer (docs/benchmarks.md)
-    suspend: bool = False
+    # a decode row whose recalls are still in flight at a layer is suspended there (the misses
+    # then copy on the I/O thread, not in line): `layer`, it waits while the batch's other rows
+    # attend, then attends, and every row finishes the layer before any starts the next; `cursor`,
+    # each row keeps a layer cursor: the others go on through the later layers, and the suspended
+    # rows resume from their layer after them, as a batch of their own. Pulse mode only, the
+    # head-wise baseline recalls synchronously; no effect with a recall deadline (it never waits
+    # past it). Off by default: on the CPU nearly every row misses a block at every layer, so few
+    # rows can go ahead and the hand-off to the I/O thread made the wait longer (docs/benchmarks.md)
+    suspend: str = "off"
     # evals: on each decode step also compute dense attention over the whole context, to report
     # the share of its mass the selection keeps (reads every host block: slow)
     measure_attention_mass: bool = False
@@ -107,6 +111,8 @@ class OffloadConfig:
             raise ValueError(f"--key-rank and --calibration-tokens must be >= 1, got {self.key_rank} and {self.calibration_tokens}")
         if self.layer_ahead not in LAYER_AHEAD:
             raise ValueError(f"--layer-ahead must be one of {', '.join(LAYER_AHEAD)}, got {self.layer_ahead!r}")
+        if self.suspend not in SUSPEND:
+            raise ValueError(f"--suspend must be one of {', '.join(SUSPEND)}, got {self.suspend!r}")
         if self.recall_deadline_ms is not None and not self.recall_deadline_ms >= 0:
             raise ValueError(f"--recall-deadline-ms must be >= 0, got {self.recall_deadline_ms}")
 
@@ -157,7 +163,13 @@ def by_rank(ranked: list[list[T]]) -> list[T]:
     return [item for tier in zip_longest(*ranked) for item in tier if item is not None]
 
 
-DecodePhase = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]  # decode rows (None: all), their tables, their lengths
+class DecodePhase(NamedTuple):
+    """Decode rows that attend together at a layer, over their block tables."""
+
+    rows: torch.Tensor | None  # None: every decode row of the batch
+    tables: torch.Tensor  # [rows, max_blocks], or [rows, kv_heads, max_blocks] in headwise mode
+    lens: torch.Tensor
+    suspended: bool = False  # layer cursors: the rows leave the batch here and attend when they resume
 
 
 class Recall(NamedTuple):
@@ -269,7 +281,8 @@ class OffloadManager:
         if per_head and config.recall_deadline_ms is not None:
             raise ValueError("--recall-deadline-ms needs --mode pulse (head-wise recalls are synchronous)")
         self.deadline_s = config.recall_deadline_s
-        self.suspend = config.suspend and not per_head
+        self.suspend = config.suspend != "off" and not per_head
+        self.cursors = config.suspend == "cursor" and not per_head
         self.num_layers = cache.shape.num_layers
         self.view = host.view
         self.allocator = host.allocator
@@ -402,10 +415,13 @@ class OffloadManager:
 
 class OffloadStep:
     """The offloaded chunks of one step: writes, recalls and attention rows, layer by layer.
-    Index tensors that do not depend on the layer are built once here."""
+    Index tensors that do not depend on the layer are built once here. With layer cursors the
+    rows suspended at a layer and the rows that go on are each a cohort of the step (`cohort`):
+    a step of their own over their batch, sharing the step's recalls in flight."""
 
-    def __init__(self, manager: OffloadManager, chunks, batch: ForwardBatch):
+    def __init__(self, manager: OffloadManager, chunks, batch: ForwardBatch, step: OffloadStep | None = None):
         self.manager = manager
+        self.root = step is None  # the step itself, not a cohort of it: counts rows and writes, sets lengths
         self.geometry = g = manager.geometry
         self.seqs = [manager.seqs[c.seq_id] for c in chunks]
         self.chunks = chunks
@@ -417,8 +433,10 @@ class OffloadStep:
         # the offloaded rows' phase: None when they are the whole batch (no indexing then)
         self.offloaded_index = torch.tensor(self.offloaded_rows, dtype=torch.long, device=rows_on) if resident else None
         self.by_id = {s.seq_id: s for s in self.seqs}
-        self.pending: dict[int, list[RecallJob]] = {}  # layer -> its recalls on the I/O thread
-        self.landing: list[RecallJob] = []  # recalls a deadline left behind: they land before the step ends
+        # layer -> its recalls on the I/O thread (a suspended cohort waits on those its rows left), and
+        # the recalls a deadline left behind, which land before the step ends: the step's, shared by its cohorts
+        self.pending: dict[int, list[RecallJob]] = {} if step is None else step.pending
+        self.landing: list[RecallJob] = [] if step is None else step.landing
         B = g.block_size
         prefix_buf, prefix_slots, chunk_buf, chunk_tokens, dev_slots, dev_buf = [], [], [], [], [], []
         host_ids, host_buf, summary_targets = [], [], []
@@ -458,9 +476,15 @@ class OffloadStep:
         self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
         self.host_buf = torch.tensor(host_buf, dtype=torch.long, device=device)
         self.summary_targets = summary_targets
-        for seq, chunk in zip(self.seqs, chunks):
-            seq.length = chunk.end_pos  # layer by layer, the writes below make it true before attention reads it
-        manager.written_blocks += len(host_ids)
+        if self.root:
+            for seq, chunk in zip(self.seqs, chunks):
+                seq.length = chunk.end_pos  # layer by layer, the writes below make it true before attention reads it
+            manager.written_blocks += len(host_ids)
+
+    def cohort(self, batch: ForwardBatch) -> OffloadStep | None:
+        """This step over a cohort's batch (its rows, resident ones aside); None if it has no offloaded chunk."""
+        chunks = [c for c in self.chunks if c.seq_id in batch.chunk_starts]
+        return OffloadStep(self.manager, chunks, batch, self) if chunks else None
 
     # ------------------------------------------------------------ per layer
 
@@ -502,7 +526,9 @@ class OffloadStep:
         mode; context lengths). Resident rows first, over their whole context; then the offloaded
         rows, selected with the true query and recalled, over their own (narrower) tables, so no
         row pays for another's padding. With suspension the offloaded rows whose recalls are still
-        in flight wait in a last phase while the others attend, and attend once their recalls land."""
+        in flight wait in a last phase while the others attend, and attend once their recalls land;
+        with layer cursors that phase is marked suspended: those rows leave the batch at this layer
+        with their tables and attend when they resume (unless no row of it could go on: then they wait)."""
         manager = self.manager
         if manager.deadline_s is not None:
             selections = self._start_recalls(layer, cache, q)
@@ -514,21 +540,28 @@ class OffloadStep:
         tables, lens = self._tables(layer, cache, q, selections, in_flight)
         if self.resident_rows is not None:
             rows = self.resident_rows
-            yield rows, batch.decode_block_tables[rows], batch.decode_ctx_lens[rows]
+            yield DecodePhase(rows, batch.decode_block_tables[rows], batch.decode_ctx_lens[rows])
         if not self.offloaded_rows:  # this step's offloaded requests all prefill
             return
         waiting = self._waiting_rows(layer)
         if not waiting:
-            self._timed(self._settle, layer, None)  # landed already: nothing to wait for
-            yield self.offloaded_index, tables, lens
+            self.land(layer)  # landed already: nothing to wait for
+            yield DecodePhase(self.offloaded_index, tables, lens)
             return
         manager.add_recall(suspended_rows=len(waiting))
         ready = [i for i, row in enumerate(self.offloaded_rows) if row not in waiting]
         if ready:
-            yield self._rows(ready, q.device), tables[ready], lens[ready]
-        self._timed(self._settle, layer, None)
+            yield DecodePhase(self._rows(ready, q.device), tables[ready], lens[ready])
         later = [i for i, row in enumerate(self.offloaded_rows) if row in waiting]
-        yield self._rows(later, q.device), tables[later], lens[later]
+        if manager.cursors and (ready or self.resident_rows is not None or batch.prefills):
+            yield DecodePhase(self._rows(later, q.device), tables[later], lens[later], suspended=True)
+            return
+        self.land(layer)
+        yield DecodePhase(self._rows(later, q.device), tables[later], lens[later])
+
+    def land(self, layer: int) -> None:
+        """Waits (counted) until the layer's recalls in flight have landed."""
+        self._timed(self._settle, layer, None)
 
     def _rows(self, positions: list[int], device: torch.device) -> torch.Tensor:
         """Decode rows of these positions among the offloaded rows."""
@@ -545,7 +578,7 @@ class OffloadStep:
         """The offloaded decode rows' blocks for this layer (in row order) and their context lengths:
         their selections less the units a deadline left in flight (counted as truncated)."""
         manager, g = self.manager, self.geometry
-        if layer == 0:
+        if layer == 0 and self.root:
             manager.decoded_rows += len(self.decode_rows)
         tables, lens, truncated = [], [], 0
         for seq_id, row in self.decode_rows.items():
@@ -563,7 +596,8 @@ class OffloadStep:
 
     def _waiting_rows(self, layer: int) -> set[int]:
         """Decode rows with a unit of this layer still in flight on the I/O thread."""
-        return {self.decode_rows[u.seq_id] for job in self.pending.get(layer, []) for u in job.units[job.landed :]}
+        rows = self.decode_rows  # a cohort's: the layer's recalls may carry other cohorts' units
+        return {rows[u.seq_id] for job in self.pending.get(layer, []) for u in job.units[job.landed :] if u.seq_id in rows}
 
     def _recall_all(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> dict[int, list[list[int]]]:
         """Every selected block lands before attention: the layer-ahead recall first (the true

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gpu_worker.batch import pad_tables
+from gpu_worker.model.llama import Cohort, LlamaModel
 from gpu_worker.offload import OffloadConfig, OffloadedSeq, OffloadStep, by_rank
 from gpu_worker.runner import WorkerConfig
 from gpu_worker.sparse import BlockSummaries, LowRankScorer, QuestScorer, select_blocks
@@ -46,7 +47,7 @@ def test_full_budget_offload_equals_dense_at_2k_and_4k(model, corpus):
     prompts = [corpus[: 2048 - 32], corpus[20000 : 20000 + 4096 - 32]]  # contexts end at 2k and 4k tokens
     dense = _engine(model, "never", 16384).generate(prompts, GREEDY_32)
     # layer-ahead recall and suspension on: they change when blocks land, never what is attended
-    offloaded_engine = _engine(model, "always", 16384, sink=64, recent=256, budget=4096, layer_ahead="on", suspend=True)
+    offloaded_engine = _engine(model, "always", 16384, sink=64, recent=256, budget=4096, layer_ahead="on", suspend="layer")
     offloaded = offloaded_engine.generate(prompts, GREEDY_32)
     assert [c.token_ids for c in offloaded] == [c.token_ids for c in dense]
     assert all(c.offloaded for c in offloaded)
@@ -73,17 +74,39 @@ def test_full_budget_offload_equals_dense_on_cuda(model, corpus):
     assert run("always", sink=64, recent=128, budget=1024) == run("never")
 
 
-@pytest.mark.parametrize("mode", ["pulse", "headwise"])
-def test_layer_ahead_recall_and_suspension_change_timing_never_tokens(model, corpus, mode):
+def _record_cohorts(monkeypatch) -> list[Cohort]:
+    """Every cohort the model runs from now on: a step's own, then any of rows suspended in it."""
+    cohorts = []
+    run = LlamaModel._run
+    monkeypatch.setattr(LlamaModel, "_run", lambda self, cohort, *args: cohorts.append(cohort) or run(self, cohort, *args))
+    return cohorts
+
+
+def _suspended_cohorts(cohorts: list[Cohort]) -> list[Cohort]:
+    return [c for c in cohorts if c.resume is not None]
+
+
+@pytest.mark.parametrize(("mode", "suspend"), [("pulse", "layer"), ("pulse", "cursor"), ("headwise", "layer")])
+def test_layer_ahead_recall_and_suspension_change_timing_never_tokens(model, corpus, mode, suspend, monkeypatch):
     """At a sparse budget the predicted selection misses blocks; the true query's selection
     recalls them, so the attended blocks (and tokens) are those of synchronous recall. Rows
-    whose recalls are in flight attend after the others (pulse mode): the same tokens again."""
+    whose recalls are in flight attend after the others (pulse mode), or with layer cursors go
+    on from their layer after the others have run every layer: the same tokens again."""
     prompts = [corpus[:1000], corpus[7000:8300], corpus[12000:12600]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runs = {}
+    cohorts = _record_cohorts(monkeypatch)
     for ahead in (False, True):
         engine = _engine(
-            model, "always", 16384, mode=mode, sink=32, recent=64, budget=128, layer_ahead="on" if ahead else "off", suspend=ahead
+            model,
+            "always",
+            16384,
+            mode=mode,
+            sink=32,
+            recent=64,
+            budget=128,
+            layer_ahead="on" if ahead else "off",
+            suspend=suspend if ahead else "off",
         )
         runs[ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
         _assert_all_freed(engine)
@@ -94,6 +117,23 @@ def test_layer_ahead_recall_and_suspension_change_timing_never_tokens(model, cor
     assert synchronous["suspended_rows"] == 0
     if mode == "pulse":  # head-wise recalls stay synchronous, the baseline's
         assert ahead["suspended_rows"] > 0
+    # layer cursors: rows suspended past the first layer resumed there after the others ran every layer
+    assert any(c.layer > 0 for c in _suspended_cohorts(cohorts)) == (suspend == "cursor")
+
+
+def test_layer_cursors_resume_suspended_rows_at_their_layer_with_the_dense_tokens(model, corpus, monkeypatch):
+    """With layer cursors a row whose recall is in flight stays at its layer while the other rows
+    run the later layers; it resumes there as a cohort of its own. With a
+    budget covering every block the tokens are dense's."""
+    cohorts = _record_cohorts(monkeypatch)
+    prompts = [corpus[:1000], corpus[7000:8300], corpus[12000:12600]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    dense = _engine(model, "never", 16384).generate(prompts, params)
+    engine = _engine(model, "always", 16384, sink=32, recent=64, budget=2048, layer_ahead="on", suspend="cursor")
+    assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in dense]
+    assert _suspended_cohorts(cohorts)
+    assert engine.runner.offload.stats()["suspended_rows"] > 0
+    _assert_all_freed(engine)
 
 
 @pytest.mark.parametrize("mode", ["pulse", "headwise"])
@@ -118,7 +158,7 @@ def test_layer_ahead_fills_the_room_beyond_the_budget_and_attends_the_same(model
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runs = {}
     for extra, ahead in ((0, "off"), (0, "on"), (128, "on")):
-        engine = _engine(model, "always", 16384, sink=32, recent=64, budget=128, hot_extra=extra, layer_ahead=ahead, suspend=True)
+        engine = _engine(model, "always", 16384, sink=32, recent=64, budget=128, hot_extra=extra, layer_ahead=ahead, suspend="layer")
         runs[extra, ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
         _assert_all_freed(engine)
     assert runs[128, "on"][0] == runs[0, "on"][0] == runs[0, "off"][0]

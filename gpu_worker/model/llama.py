@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model.config import ModelConfig
-from gpu_worker.offload import OffloadStep
+from gpu_worker.offload import DecodePhase, OffloadStep
 from kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention, prefill_attention
 from kernels.decode_triton import paged_decode_attention_triton
 
@@ -52,6 +52,46 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Suspension:
+    """Decode rows suspended at a layer after their query, K/V writes and selection: what their
+    attention needs when they resume, so it attends exactly what it would have without suspending."""
+
+    rows: list[int]
+    q: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Cohort:
+    """Rows of a step that run the layers together from `layer` on: their flat token indices in the
+    step's batch, their hidden states entering that layer, their own batch and offload step; rows
+    suspended at `layer` resume at its attention."""
+
+    tokens: torch.Tensor
+    layer: int
+    hidden: torch.Tensor
+    batch: ForwardBatch
+    offload: OffloadStep | None
+    resume: Suspension | None = None
+
+
+def cohort_of(
+    tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    layer: int,
+    batch: ForwardBatch,
+    offload: OffloadStep | None,
+    rows: list[int],
+    prefills: bool,
+    resume: Suspension | None = None,
+) -> Cohort:
+    """The decode rows `rows` of a cohort (and its prefill chunks if `prefills`) as a cohort at `layer`."""
+    sub, kept = batch.subset(rows, prefills)
+    return Cohort(tokens[kept], layer, hidden[kept], sub, offload.cohort(sub) if offload is not None else None, resume)
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
         self.config = config
@@ -84,12 +124,36 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, offload: OffloadStep | None = None) -> torch.Tensor:
         """Runs every token of the batch; returns fp32 logits of the sampled positions [S, vocab].
-        `offload` places, recalls and attends the offloaded requests' KV."""
+        `offload` places, recalls and attends the offloaded requests' KV. With layer cursors, rows
+        suspended at a layer leave as a cohort that resumes there once the rest has run every layer."""
         hidden = self.embed[batch.input_ids]
+        cohorts = [Cohort(torch.arange(len(hidden), device=hidden.device), 0, hidden, batch, offload)]
+        while cohorts:
+            tokens, final = self._run(cohorts.pop(0), cache, cohorts.append)
+            hidden[tokens] = final
+        last = rms_norm(hidden[batch.sample_index], self.norm, self.config.rms_eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _run(self, cohort: Cohort, cache: PagedKVCache, suspend: Callable[[Cohort], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cohort's hidden states through its layers to the last; rows suspended on the way go to
+        `suspend`. Returns the flat indices of the tokens that ran to the end and their hidden states."""
+        tokens, hidden, batch, offload = cohort.tokens, cohort.hidden, cohort.batch, cohort.offload
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
-        for index, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, self.config.rms_eps)
-            hidden = hidden + self._attention(index, layer, x, cos, sin, batch, cache, offload)
+        for index in range(cohort.layer, len(self.layers)):
+            layer = self.layers[index]
+            if index == cohort.layer and cohort.resume is not None:
+                attended, suspended = self._resume(index, layer, cohort.resume, batch, cache, offload), None
+            else:
+                x = rms_norm(hidden, layer.input_norm, self.config.rms_eps)
+                attended, suspended = self._attention(index, layer, x, cos, sin, batch, cache, offload)
+            if suspended is not None:
+                suspend(cohort_of(tokens, hidden, index, batch, offload, suspended.rows, prefills=False, resume=suspended))
+                rest = [row for row in range(len(batch.decode_seq_ids)) if row not in suspended.rows]
+                cohort = cohort_of(tokens, hidden + attended, index, batch, offload, rest, prefills=True)
+                tokens, hidden, batch, offload = cohort.tokens, cohort.hidden, cohort.batch, cohort.offload
+                cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+            else:
+                hidden = hidden + attended
             if offload is not None and offload.prefetching and index + 1 < len(self.layers):
                 offload.prefetch(
                     index + 1,
@@ -97,12 +161,13 @@ class LlamaModel:
                     self._predict_q(index + 1, hidden[batch.decode_index], cos[batch.decode_index], sin[batch.decode_index]),
                 )
             hidden = hidden + self.mlp(layer, rms_norm(hidden, layer.post_norm, self.config.rms_eps))
-        last = rms_norm(hidden[batch.sample_index], self.norm, self.config.rms_eps)
-        return F.linear(last, self.lm_head).float()
+        return tokens, hidden
 
     def _attention(
         self, index: int, layer: LayerWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch, cache: PagedKVCache, offload
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, Suspension | None]:
+        """The layer's attention output (o_proj applied) and the decode rows suspended at it, whose
+        rows of the output are not computed."""
         c = self.config
         q, k, v = self.qkv(layer, x, cos, sin)
         cache.write(index, batch.write_slots, k[batch.resident_index], v[batch.resident_index])
@@ -111,12 +176,16 @@ class LlamaModel:
         k_cache, v_cache = cache.layer(index)
         block = cache.spec.block_size
         out = torch.empty_like(q)
+        suspended = None
         if batch.decode_index.numel():
-            phases = [(None, batch.decode_block_tables, batch.decode_ctx_lens)]
+            phases = [DecodePhase(None, batch.decode_block_tables, batch.decode_ctx_lens)]
             if offload is not None:
                 phases = offload.decode_phases(index, cache, q[batch.decode_index], batch)
-            for rows, tables, lens in phases:  # rows whose recalls are in flight come last
+            for rows, tables, lens, later in phases:  # rows whose recalls are in flight come last
                 target = batch.decode_index if rows is None else batch.decode_index[rows]
+                if later:
+                    suspended = Suspension(rows.tolist(), q[target], tables, lens)
+                    continue
                 out[target] = self._decode_attention(q[target], k_cache, v_cache, tables, lens, block)
         for span in batch.prefills:
             q_span = q[span.start : span.end]
@@ -127,7 +196,18 @@ class LlamaModel:
                 out[span.start : span.end] = paged_prefill_attention(
                     q_span, k_cache, v_cache, span.ctx_blocks, span.ctx_len, block, self.workspace
                 )
-        return F.linear(out.view(-1, c.q_size), layer.o_proj)
+        return F.linear(out.view(-1, c.q_size), layer.o_proj), suspended
+
+    def _resume(
+        self, index: int, layer: LayerWeights, resume: Suspension, batch: ForwardBatch, cache: PagedKVCache, offload: OffloadStep
+    ) -> torch.Tensor:
+        """The attention output of rows resuming at the layer where they were suspended: once their
+        recalls have landed, over the tables selected then (their K/V are written already)."""
+        offload.land(index)
+        k_cache, v_cache = cache.layer(index)
+        out = torch.empty((len(batch.input_ids), *resume.q.shape[1:]), dtype=resume.q.dtype, device=resume.q.device)
+        out[batch.decode_index] = self._decode_attention(resume.q, k_cache, v_cache, resume.tables, resume.lens, cache.spec.block_size)
+        return F.linear(out.view(-1, self.config.q_size), layer.o_proj)
 
     @torch.inference_mode()
     def run_dense(
