@@ -149,8 +149,8 @@ class LlamaModel:
             if suspended is not None:
                 suspend(cohort_of(tokens, hidden, index, batch, offload, suspended.rows, prefills=False, resume=suspended))
                 rest = [row for row in range(len(batch.decode_seq_ids)) if row not in suspended.rows]
-                cohort = cohort_of(tokens, hidden + attended, index, batch, offload, rest, prefills=True)
-                tokens, hidden, batch, offload = cohort.tokens, cohort.hidden, cohort.batch, cohort.offload
+                going_on = cohort_of(tokens, hidden + attended, index, batch, offload, rest, prefills=True)
+                tokens, hidden, batch, offload = going_on.tokens, going_on.hidden, going_on.batch, going_on.offload
                 cos, sin = self.cos[batch.positions], self.sin[batch.positions]
             else:
                 hidden = hidden + attended
