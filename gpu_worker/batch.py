@@ -35,7 +35,7 @@ class ForwardBatch:
     chunk_starts: dict[str, int]  # seq_id -> flat index of its chunk's first token
 
     def subset(self, decode_rows: list[int], prefills: bool) -> tuple[ForwardBatch, torch.Tensor]:
-        """These decode rows (in row order), with every prefill chunk too or without them, as a batch
+        """These decode rows (in the order given), with every prefill chunk too or without them, as a batch
         of their own; and the flat index here of each of its tokens. Rows suspended at a layer go on
         as such a batch, and so do the others."""
         device, total = self.input_ids.device, len(self.input_ids)
