@@ -110,6 +110,7 @@ def run_path(loaded: LoadedModel, host: HostTier | None, args: argparse.Namespac
             "corrected_units": stats["corrected_units"],
             "truncated_units_per_step": stats["truncated_units"] / steps,
             "suspended_rows_per_step": stats["suspended_rows"] / steps,
+            "resumed_layers_per_step": stats["resumed_layers"] / steps,
         }
         print(name, json.dumps(results[name]), flush=True)
     synchronous = results["synchronous"]

@@ -114,7 +114,11 @@ class GatewayMetrics:
             ),
             "recall_suspended_rows": Counter(
                 p + "recall_suspended_rows_total",
-                "Decode rows that waited at a layer for their recalls while the other rows attended.",
+                "Decode rows suspended at a layer for their recalls while the other rows attended.",
+            ),
+            "recall_resumed_layers": Counter(
+                p + "recall_resumed_layers_total",
+                "Layers run apart by decode rows resuming after a suspension (layer cursors): each reads its weights again.",
             ),
             "link_bytes_per_s": Gauge(p + "admission_link_bytes_per_second", "Bandwidth the recalls achieved while copying (EMA)."),
             "recall_bytes_per_offloaded_step": Gauge(

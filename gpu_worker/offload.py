@@ -406,6 +406,7 @@ class OffloadManager:
             "corrected_units": r.corrected_units,
             "truncated_units": r.truncated_units,
             "suspended_rows": r.suspended_rows,
+            "resumed_layers": r.resumed_layers,
             "io_wait_seconds": r.io_wait_s,
             "io_busy_seconds": r.io_busy_s,
             "attention_mass": self.mass.mean if self.mass else None,
@@ -558,6 +559,11 @@ class OffloadStep:
             return
         self.land(layer)
         yield DecodePhase(self._rows(later, q.device), tables[later], lens[later])
+
+    def resume(self, layer: int) -> None:
+        """Counts the layers the cohort resuming at `layer` runs apart, then waits for its recalls."""
+        self.manager.add_recall(resumed_layers=self.manager.num_layers - layer)
+        self.land(layer)
 
     def land(self, layer: int) -> None:
         """Waits (counted) until the layer's recalls in flight have landed."""

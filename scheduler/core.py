@@ -280,6 +280,7 @@ RECALL_STATS_FIELDS = (  # WorkerStats' names for RecallStats' fields, in order
     "recall_io_busy_s",
     "recall_truncated_units",
     "recall_suspended_rows",
+    "recall_resumed_layers",
 )
 
 

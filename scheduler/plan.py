@@ -63,7 +63,8 @@ class RecallStats:
     corrected_units: int = 0  # recalled at their layer: the prediction missed them
     io_busy_s: float = 0.0  # time the copies took, wherever they ran: the link's bandwidth is bytes / io_busy_s
     truncated_units: int = 0  # selected but left out of attention: their recall missed the layer's deadline
-    suspended_rows: int = 0  # (decode row, layer) pairs that waited for their recalls while the other rows attended
+    suspended_rows: int = 0  # (decode row, layer) pairs suspended for their recalls while the other rows attended
+    resumed_layers: int = 0  # layers run apart by rows resuming after a suspension (layer cursors): weights read again
 
     def __add__(self, other: RecallStats) -> RecallStats:
         return RecallStats(*(getattr(self, name) + getattr(other, name) for name in RECALL_FIELDS))

@@ -119,6 +119,7 @@ def test_layer_ahead_recall_and_suspension_change_timing_never_tokens(model, cor
         assert ahead["suspended_rows"] > 0
     # layer cursors: rows suspended past the first layer resumed there after the others ran every layer
     assert any(c.layer > 0 for c in _suspended_cohorts(cohorts)) == (suspend == "cursor")
+    assert (ahead["resumed_layers"] > 0) == (suspend == "cursor") and synchronous["resumed_layers"] == 0
 
 
 def test_layer_cursors_resume_suspended_rows_at_their_layer_with_the_dense_tokens(model, corpus, monkeypatch):
@@ -131,8 +132,10 @@ def test_layer_cursors_resume_suspended_rows_at_their_layer_with_the_dense_token
     dense = _engine(model, "never", 16384).generate(prompts, params)
     engine = _engine(model, "always", 16384, sink=32, recent=64, budget=2048, layer_ahead="on", suspend="cursor")
     assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in dense]
-    assert _suspended_cohorts(cohorts)
-    assert engine.runner.offload.stats()["suspended_rows"] > 0
+    suspended = _suspended_cohorts(cohorts)
+    stats = engine.runner.offload.stats()
+    assert suspended and stats["suspended_rows"] > 0
+    assert stats["resumed_layers"] == sum(model.config.num_layers - c.layer for c in suspended)  # every layer a resumed cohort ran apart
     _assert_all_freed(engine)
 
 

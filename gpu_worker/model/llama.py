@@ -203,7 +203,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """The attention output of rows resuming at the layer where they were suspended: once their
         recalls have landed, over the tables selected then (their K/V are written already)."""
-        offload.land(index)
+        offload.resume(index)
         k_cache, v_cache = cache.layer(index)
         out = torch.empty((len(batch.input_ids), *resume.q.shape[1:]), dtype=resume.q.dtype, device=resume.q.device)
         out[batch.decode_index] = self._decode_attention(resume.q, k_cache, v_cache, resume.tables, resume.lens, cache.spec.block_size)

@@ -73,7 +73,7 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class RecallStats(_message.Message):
-    __slots__ = ("units", "transfers", "bytes", "io_wait_s", "prefetched_units", "corrected_units", "io_busy_s", "truncated_units", "suspended_rows")
+    __slots__ = ("units", "transfers", "bytes", "io_wait_s", "prefetched_units", "corrected_units", "io_busy_s", "truncated_units", "suspended_rows", "resumed_layers")
     UNITS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class RecallStats(_message.Message):
     IO_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_UNITS_FIELD_NUMBER: _ClassVar[int]
     SUSPENDED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     units: int
     transfers: int
     bytes: int
@@ -92,7 +93,8 @@ class RecallStats(_message.Message):
     io_busy_s: float
     truncated_units: int
     suspended_rows: int
-    def __init__(self, units: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., prefetched_units: _Optional[int] = ..., corrected_units: _Optional[int] = ..., io_busy_s: _Optional[float] = ..., truncated_units: _Optional[int] = ..., suspended_rows: _Optional[int] = ...) -> None: ...
+    resumed_layers: int
+    def __init__(self, units: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., prefetched_units: _Optional[int] = ..., corrected_units: _Optional[int] = ..., io_busy_s: _Optional[float] = ..., truncated_units: _Optional[int] = ..., suspended_rows: _Optional[int] = ..., resumed_layers: _Optional[int] = ...) -> None: ...
 
 class SequenceError(_message.Message):
     __slots__ = ("seq_id", "error")
