@@ -48,14 +48,15 @@ class ForwardBatch:
         tokens = keep.nonzero().squeeze(1)
         new = torch.full((total,), -1, dtype=torch.long)
         new[tokens] = torch.arange(len(tokens))
+        tokens = tokens.to(device)
         resident = self.resident_index.cpu()
         kept_resident = keep[resident]
         sampled = self.sample_index.cpu()
         rows = torch.tensor(decode_rows, dtype=torch.long)
         on = rows.to(device)
         batch = ForwardBatch(
-            input_ids=self.input_ids[tokens.to(device)],
-            positions=self.positions[tokens.to(device)],
+            input_ids=self.input_ids[tokens],
+            positions=self.positions[tokens],
             resident_index=new[resident[kept_resident]].to(device),
             write_slots=self.write_slots[kept_resident.to(device)],
             decode_index=new[decode_index[rows]].to(device),
@@ -63,15 +64,13 @@ class ForwardBatch:
             decode_rows=tuple(self.decode_rows[r] for r in decode_rows),
             decode_block_tables=self.decode_block_tables[on],
             decode_ctx_lens=self.decode_ctx_lens[on],
-            prefills=tuple(
-                replace(span, start=int(new[span.start]), end=int(new[span.start]) + span.end - span.start) for span in self.prefills
-            )
+            prefills=tuple(replace(span, start=int(new[span.start]), end=int(new[span.end - 1]) + 1) for span in self.prefills)
             if prefills
             else (),
             sample_index=new[sampled[keep[sampled]]].to(device),
             chunk_starts={seq_id: int(new[start]) for seq_id, start in self.chunk_starts.items() if keep[start]},
         )
-        return batch, tokens.to(device)
+        return batch, tokens
 
 
 def token_slots(block_table: tuple[int, ...], start: int, end: int, block_size: int) -> torch.Tensor:
