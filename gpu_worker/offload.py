@@ -163,6 +163,19 @@ def by_rank(ranked: list[list[T]]) -> list[T]:
     return [item for tier in zip_longest(*ranked) for item in tier if item is not None]
 
 
+def summary_runs(targets: list[tuple[OffloadedSeq, int]]) -> list[tuple[OffloadedSeq, int, int, int]]:
+    """Newly hosted blocks (request, summary slot), one per stored block row, as runs of consecutive
+    slots of one request, (request, first slot, first row, count): a prefill chunk's blocks are
+    summarized in one write, not one each."""
+    runs: list[tuple[OffloadedSeq, int, int, int]] = []
+    for row, (seq, slot) in enumerate(targets):
+        if runs and runs[-1][0] is seq and runs[-1][1] + runs[-1][3] == slot:
+            runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
+        else:
+            runs.append((seq, slot, row, 1))
+    return runs
+
+
 class DecodePhase(NamedTuple):
     """Decode rows that attend together at a layer, over their block tables."""
 
@@ -476,7 +489,7 @@ class OffloadStep:
         self.dev_slots, self.dev_buf = cat(dev_slots), cat(dev_buf)
         self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
         self.host_buf = torch.tensor(host_buf, dtype=torch.long, device=device)
-        self.summary_targets = summary_targets
+        self.summary_runs = summary_runs(summary_targets)
         if self.root:
             for seq, chunk in zip(self.seqs, chunks):
                 seq.length = chunk.end_pos  # layer by layer, the writes below make it true before attention reads it
@@ -503,8 +516,8 @@ class OffloadStep:
         if self.host_ids.numel():
             k_blocks, v_blocks = buffers[0][self.host_buf], buffers[1][self.host_buf]
             self.manager.view.write(self.host_ids, layer, k_blocks, v_blocks)
-            for i, (seq, index) in enumerate(self.summary_targets):
-                seq.summaries.write(layer, index, k_blocks[i : i + 1])
+            for seq, first, row, count in self.summary_runs:
+                seq.summaries.write(layer, first, k_blocks[row : row + count])
 
     @property
     def prefetching(self) -> bool:

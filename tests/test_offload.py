@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.batch import pad_tables
 from gpu_worker.model.llama import Cohort, LlamaModel
-from gpu_worker.offload import OffloadConfig, OffloadedSeq, OffloadStep, by_rank
+from gpu_worker.offload import OffloadConfig, OffloadedSeq, OffloadStep, by_rank, summary_runs
 from gpu_worker.runner import WorkerConfig
 from gpu_worker.sparse import BlockSummaries, LowRankScorer, QuestScorer, select_blocks
 from kernels.scoring import lowrank_scores
@@ -324,6 +324,13 @@ def test_a_batch_selects_what_each_row_selects_alone():
             assert batch == alone
             assert batch[1] == [[0, 1, 2]] * len(batch[1]) and all(max(group) < 5 for group in batch[2])
         assert select_blocks(scorer, 0, q[:0], [], [], budget, False) == []
+
+
+def test_newly_hosted_blocks_are_summarized_in_runs_of_one_requests_consecutive_slots():
+    a, b = object(), object()  # two requests of a step
+    targets = [(a, 0), (a, 1), (a, 2), (b, 7), (b, 8), (a, 4), (a, 5)]
+    assert summary_runs(targets) == [(a, 0, 0, 3), (b, 7, 3, 2), (a, 4, 5, 2)]
+    assert summary_runs([]) == []
 
 
 def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():
