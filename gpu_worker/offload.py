@@ -163,19 +163,6 @@ def by_rank(ranked: list[list[T]]) -> list[T]:
     return [item for tier in zip_longest(*ranked) for item in tier if item is not None]
 
 
-def summary_runs(targets: list[tuple[OffloadedSeq, int]]) -> list[tuple[OffloadedSeq, int, int, int]]:
-    """Newly hosted blocks (request, summary slot), one per stored block row, as runs of consecutive
-    slots of one request, (request, first slot, first row, count): a prefill chunk's blocks are
-    summarized in one write, not one each."""
-    runs: list[tuple[OffloadedSeq, int, int, int]] = []
-    for row, (seq, slot) in enumerate(targets):
-        if runs and runs[-1][0] is seq and runs[-1][1] + runs[-1][3] == slot:
-            runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
-        else:
-            runs.append((seq, slot, row, 1))
-    return runs
-
-
 class DecodePhase(NamedTuple):
     """Decode rows that attend together at a layer, over their block tables."""
 
@@ -453,7 +440,7 @@ class OffloadStep:
         self.landing: list[RecallJob] = [] if step is None else step.landing
         B = g.block_size
         prefix_buf, prefix_slots, chunk_buf, chunk_tokens, dev_slots, dev_buf = [], [], [], [], [], []
-        host_ids, host_buf, summary_targets = [], [], []
+        host_ids, host_buf, summary_runs = [], [], []
         buf_blocks = 0
         for seq, chunk in zip(self.seqs, chunks):
             start, end = chunk.start_pos, chunk.end_pos
@@ -466,6 +453,7 @@ class OffloadStep:
             flat = batch.chunk_starts[chunk.seq_id]
             chunk_buf.append(torch.arange(base + start % B, base + start % B + (end - start)))
             chunk_tokens.append(torch.arange(flat, flat + end - start))
+            hosted = len(host_ids)
             for j in range(first, last + 1):
                 rows = min(B, end - j * B)
                 row0 = base + (j - first) * B
@@ -476,7 +464,8 @@ class OffloadStep:
                 if j >= g.sink_blocks and rows == B:
                     host_ids.append(seq.host_blocks[j - g.sink_blocks])
                     host_buf.append(row0 // B)
-                    summary_targets.append((seq, j - g.sink_blocks))
+            if len(host_ids) > hosted:  # the chunk's newly full host blocks are consecutive: one summary write
+                summary_runs.append((seq, max(first, g.sink_blocks) - g.sink_blocks, hosted, len(host_ids) - hosted))
             buf_blocks += last - first + 1
         device = batch.input_ids.device
 
@@ -489,7 +478,7 @@ class OffloadStep:
         self.dev_slots, self.dev_buf = cat(dev_slots), cat(dev_buf)
         self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
         self.host_buf = torch.tensor(host_buf, dtype=torch.long, device=device)
-        self.summary_runs = summary_runs(summary_targets)
+        self.summary_runs = summary_runs  # (request, first summary slot, first host_ids row, count)
         if self.root:
             for seq, chunk in zip(self.seqs, chunks):
                 seq.length = chunk.end_pos  # layer by layer, the writes below make it true before attention reads it

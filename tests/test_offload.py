@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.batch import pad_tables
 from gpu_worker.model.llama import Cohort, LlamaModel
-from gpu_worker.offload import OffloadConfig, OffloadedSeq, OffloadStep, by_rank, summary_runs
+from gpu_worker.offload import OffloadConfig, OffloadedSeq, OffloadStep, by_rank
 from gpu_worker.runner import WorkerConfig
 from gpu_worker.sparse import BlockSummaries, LowRankScorer, QuestScorer, select_blocks
 from kernels.scoring import lowrank_scores
@@ -215,6 +215,28 @@ def test_recalls_go_best_first_across_the_batch():
     assert by_rank([]) == []
 
 
+def test_hosted_blocks_are_summarized_from_the_keys_the_host_pool_holds(model, corpus):
+    """Prefill chunks of two requests in one step, ending mid-block, then decode steps that fill
+    blocks one at a time: every hosted block's summary is its scorer's summary of its stored keys."""
+    worker = WorkerConfig(device_kv_tokens=4096, offload=OffloadConfig(sink=64, recent=256, budget=256))
+    batcher = BatcherConfig(offload="always", prefill_chunk=200)
+    engine = Engine(EngineConfig(worker=worker, batcher=batcher, host_kv_tokens=16384), loaded=model)
+    for prompt in (corpus[:1000], corpus[3000:3700]):
+        engine.submit(prompt, SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(30):  # 9 prefill steps, then decode steps past block boundaries (1008, 1024; 704, 720)
+        engine.step()
+    manager = engine.runner.offload
+    seqs = sorted(manager.seqs.values(), key=lambda s: s.length)
+    assert all(seq.length // 16 > prompt // 16 for seq, prompt in zip(seqs, (700, 1000)))  # decode filled blocks
+    for seq in seqs:
+        assert len(seq.host_blocks) == seq.length // 16 - 64 // 16  # every full block past the sink
+        for layer in (0, 17, 29):
+            keys = manager.view.read(torch.tensor(seq.host_blocks), layer)[:, 0].transpose(1, 2)  # [n, block, kv_heads, dim]
+            expected = manager.scorer.summarize(layer, keys)
+            for got, want in zip(seq.summaries.hosted(layer, len(seq.host_blocks)), expected):
+                torch.testing.assert_close(got, want)
+
+
 def test_long_requests_offload_and_short_ones_stay_resident_in_one_batch(model, corpus):
     short = [corpus[100:150], corpus[300:420]]
     long = corpus[5000:8000]  # 3000 tokens: more than the whole device pool
@@ -324,13 +346,6 @@ def test_a_batch_selects_what_each_row_selects_alone():
             assert batch == alone
             assert batch[1] == [[0, 1, 2]] * len(batch[1]) and all(max(group) < 5 for group in batch[2])
         assert select_blocks(scorer, 0, q[:0], [], [], budget, False) == []
-
-
-def test_newly_hosted_blocks_are_summarized_in_runs_of_one_requests_consecutive_slots():
-    a, b = object(), object()  # two requests of a step
-    targets = [(a, 0), (a, 1), (a, 2), (b, 7), (b, 8), (a, 4), (a, 5)]
-    assert summary_runs(targets) == [(a, 0, 0, 3), (b, 7, 3, 2), (a, 4, 5, 2)]
-    assert summary_runs([]) == []
 
 
 def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():
