@@ -51,7 +51,7 @@ class PagedKVCache:
             return
         # Zeros matter: attention reads the unwritten tail of a partly filled block under a mask, and
         # masked NaN garbage would still poison the weighted sum of V. On CPU the fill also commits the
-        # pool's pages at start-up (about 0.3 s a GB): faulted in lazily, their first writes fell in decode
+        # pool's pages at start-up (0.2-1.4 s a GB): faulted in lazily, their first writes fell in decode
         # steps (the first step of 14 offloaded requests, filling their hot buffers: 1.6 s instead of 0.5 s).
         kv = torch.zeros((2, *self.shape.dims), dtype=dtype, device=device)
         self.k, self.v = kv[0], kv[1]
