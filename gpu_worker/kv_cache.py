@@ -47,7 +47,8 @@ class PagedKVCache:
             self._map = map_segment(self.segment, self.shape.segment_bytes(dtype), create=True)
             header, self.k, self.v = self.shape.tensors(self._map, dtype)
             self.completion = SegmentHeader(header)
-            self.k.zero_(), self.v.zero_()  # commits the pages, as below
+            for part in (self.k, self.v):
+                part.zero_()  # commits the pages, as below
             return
         # Zeros matter: attention reads the unwritten tail of a partly filled block under a mask, and
         # masked NaN garbage would still poison the weighted sum of V. On CPU the fill also commits the
