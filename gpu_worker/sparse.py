@@ -53,10 +53,10 @@ class LowRankScorer:
         self.kv_heads, self.rank = bases.shape[1], bases.shape[3]
 
     def shapes(self, block_size: int) -> list[tuple[int, ...]]:
-        return [(self.kv_heads, BLOCKS, block_size, self.rank)]  # each head's blocks contiguous: lowrank_scores
+        return [(self.kv_heads, self.rank, BLOCKS, block_size)]  # each coordinate's blocks contiguous: lowrank_scores
 
     def summarize(self, layer: int, k_blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (torch.einsum("nbhd,hdr->hnbr", k_blocks.float(), self.bases[layer]),)
+        return (torch.einsum("nbhd,hdr->hrnb", k_blocks.float(), self.bases[layer]),)
 
     def scores(self, layer: int, q: torch.Tensor, hosted: Sequence[tuple[torch.Tensor, ...]], per_head: bool) -> list[torch.Tensor]:
         return [lowrank_scores(row, self.bases[layer], keys, per_head) for row, (keys,) in zip(q, hosted)]
