@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, replace
-from itertools import zip_longest
 from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
-from gpu_worker.batch import ForwardBatch, PrefillSpan, pad_tables
+from gpu_worker.batch import ForwardBatch, PrefillSpan
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.sparse import SCORERS, AttentionMass, BlockSummaries, Scorer, select_blocks
 from kernels.attention import GatherWorkspace
@@ -157,12 +155,6 @@ class OffloadGeometry:
 T = TypeVar("T")
 
 
-def by_rank(ranked: list[list[T]]) -> list[T]:
-    """Every list's first item, then every second one, ...: a batch's recalls in score order
-    across its rows (and a row's heads), so a deadline cuts the lowest-ranked blocks."""
-    return [item for tier in zip_longest(*ranked) for item in tier if item is not None]
-
-
 class DecodePhase(NamedTuple):
     """Decode rows that attend together at a layer, over their block tables."""
 
@@ -183,6 +175,33 @@ class Recall(NamedTuple):
     device: int
 
 
+def by_rank(missed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (row, group, k) positions of the misses [rows, groups, k] by rank across the batch:
+    every (row, group)'s first miss, then every second one, ...: a batch's recalls best first
+    across its rows (and a row's heads), so a deadline cuts the lowest-ranked blocks."""
+    rows, groups, _ = missed.shape
+    row, group, k = missed.nonzero(as_tuple=True)
+    rank = (missed.cumsum(dim=-1) - 1)[row, group, k]
+    order = ((rank * groups + group) * rows + row).argsort()
+    return row[order], group[order], k[order]
+
+
+def padded(rows: tuple[list[int], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of blocks as one [rows, longest] tensor padded with 0, and which entries are real."""
+    width = max(map(len, rows), default=0)
+    blocks = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
+    real = torch.tensor([[True] * len(row) + [False] * (width - len(row)) for row in rows], device=device)
+    return blocks.view(len(rows), width), real.view(len(rows), width)
+
+
+class Selection(NamedTuple):
+    """One layer's selection for a step's offloaded decode rows (in row order): host block indices
+    [rows, groups, k], each row's best first (-1: padding), and the device block each one is in."""
+
+    chosen: torch.Tensor
+    devices: torch.Tensor
+
+
 class RecallJob:
     """Recalls of one layer on the I/O thread, in score order; `landed` counts the leading units
     whose copy has completed, so a deadline can attend over those and leave the rest."""
@@ -197,35 +216,20 @@ class RecallJob:
 
 
 class OffloadedSeq:
-    """One offloaded request's KV on this worker: where each logical block lives.
+    """One offloaded request's KV on this worker: where each logical block lives (the hot buffer's
+    blocks: row `hot_row` of the worker's HotBuffers)."""
 
-    The hot buffer has one LRU per (layer, selection group): one group of all kv heads in
-    `pulse` mode, one per kv head in `headwise` mode (head h of a hot device block then holds
-    whichever block head h selected)."""
-
-    def __init__(
-        self,
-        seq_id: str,
-        footprint: tuple[int, ...],
-        geometry: OffloadGeometry,
-        summaries: BlockSummaries,
-        num_layers: int,
-        groups: int = 1,
-    ):
+    def __init__(self, seq_id: str, footprint: tuple[int, ...], geometry: OffloadGeometry, summaries: BlockSummaries, hot_row: int):
         g = geometry
         self.seq_id = seq_id
         self.footprint = footprint
         self.geometry = geometry
         self.sink = footprint[: g.sink_blocks]
         self.ring = footprint[g.sink_blocks : g.sink_blocks + g.ring_blocks]
-        self.hot_pool = footprint[g.sink_blocks + g.ring_blocks :]
         self.length = 0  # tokens whose KV is stored
         self.host_blocks: list[int] = []  # host block of logical block sink_blocks + i
         self.summaries = summaries
-        # [layer][group]: logical -> device block, least recently used first
-        self.hot: list[list[OrderedDict[int, int]]] = [[OrderedDict() for _ in range(groups)] for _ in range(num_layers)]
-        # [layer][group]: hot device blocks no block has taken yet, popped in footprint order
-        self.unused = [[list(reversed(self.hot_pool)) for _ in range(groups)] for _ in range(num_layers)]
+        self.hot_row = hot_row
 
     def device_block(self, logical: int, length: int) -> int:
         """The device block of a sink or window block of a context of `length` tokens."""
@@ -235,39 +239,81 @@ class OffloadedSeq:
             return self.ring[logical % self.geometry.ring_blocks]
         raise KeyError(f"logical block {logical} of {self.seq_id} is in the host tier")
 
-    def recall_plan(self, layer: int, selected: list[list[int]]) -> list[tuple[int, int, int]]:
-        """Updates the layer's hot buffers for a selection of host-tier blocks (logical ids, one
-        list per group, best first); returns the misses as (logical block, group, device block
-        to fill), by rank across the groups."""
-        fills = [self._fill(self.hot[layer][group], self.unused[layer][group], chosen) for group, chosen in enumerate(selected)]
-        return by_rank([[(logical, group, dev) for logical, dev in group_fills] for group, group_fills in enumerate(fills)])
-
-    @staticmethod
-    def _fill(hot: OrderedDict[int, int], unused: list[int], selected: list[int]) -> list[tuple[int, int]]:
-        """The selected blocks present become the most recently used, so the blocks outside the
-        selection are the least: the misses take unused device blocks, then theirs, oldest first."""
-        misses = []
-        for logical in selected:
-            if logical in hot:
-                hot.move_to_end(logical)
-            else:
-                misses.append(logical)
-        fills = [(logical, unused.pop() if unused else hot.popitem(last=False)[1]) for logical in misses]
-        hot.update(fills)
-        return fills
-
-    def decode_row(self, layer: int, selected: list[list[int]]) -> list[list[int]]:
-        """Device blocks attended at this layer, one row per group, in logical order: sink, selected, window."""
+    def resident_blocks(self) -> tuple[list[int], list[int]]:
+        """The device blocks of the sink and of the recent window attended at the current length,
+        in logical order: what a decode row attends before and after its selected host blocks."""
         length, g = self.length, self.geometry
         last = (length - 1) // g.block_size
         sink = [self.sink[j] for j in range(min(g.sink_blocks, last + 1))]
-        window = [self.ring[j % g.ring_blocks] for j in self.window(length)]
-        return [sink + [hot[j] for j in sorted(chosen)] + window for hot, chosen in zip(self.hot[layer], selected)]
+        return sink, [self.ring[j % g.ring_blocks] for j in self.window(length)]
 
     def window(self, length: int) -> range:
         """Logical blocks of the recent window of a context of `length` tokens."""
         last = (length - 1) // self.geometry.block_size
         return range(self.geometry.window_start(length), last + 1) if last >= self.geometry.sink_blocks else range(0)
+
+
+class HotBuffers:
+    """The hot buffers of every offloaded request on this worker as tensors, one row per request,
+    so a layer's selections for the whole batch update in a few tensor ops, with no Python per
+    block: per (layer, selection group), the host block each hot device block holds (-1: none yet)
+    and when it was last selected. One group of all kv heads in `pulse` mode, one per kv head in
+    `headwise` mode (head h of a hot device block then holds whichever block head h selected).
+    LRU: the selected blocks present become the most recently used, in selection order, so the
+    blocks outside the selection are the least; the misses take the unused device blocks (in
+    footprint order), then the least recently used ones."""
+
+    def __init__(self, num_layers: int, groups: int, geometry: OffloadGeometry, device: torch.device):
+        self.shape = (num_layers, groups, geometry.hot_blocks)
+        self.hot_start = geometry.sink_blocks + geometry.ring_blocks  # a footprint's first hot block
+        self.held = torch.empty((0, *self.shape), dtype=torch.long, device=device)
+        self.stamps = torch.empty_like(self.held)
+        self.devices = torch.empty((0, geometry.hot_blocks), dtype=torch.long, device=device)  # each row's hot device blocks
+        self.free: list[int] = []
+        self.clock = 0  # every update's stamps exceed the earlier ones'
+
+    def add(self, footprint: tuple[int, ...]) -> int:
+        """A row for a new offloaded request, its hot buffer empty."""
+        if not self.free:
+            have = self.held.shape[0]
+            grow = max(have, 4)
+            self.held, self.stamps, self.devices = (torch.cat((t, t.new_empty((grow, *t.shape[1:])))) for t in self.tensors())
+            self.free = list(range(have + grow - 1, have - 1, -1))
+        row, capacity = self.free.pop(), self.shape[-1]
+        self.held[row] = -1
+        self.stamps[row] = torch.arange(-capacity, 0)  # unused blocks: older than any selection, in footprint order
+        self.devices[row] = torch.tensor(footprint[self.hot_start :])
+        return row
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.held, self.stamps, self.devices
+
+    def remove(self, row: int) -> None:
+        self.free.append(row)
+
+    def update(self, rows: torch.Tensor, layer: int, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Makes the chosen host blocks [len(rows), groups, k] (best first, -1 padding; k at most
+        the capacity) the most recently used of the rows' hot buffers at `layer`. Returns the device
+        block of each chosen block and which of them missed (their device block is to be filled)."""
+        held, stamps = self.held[rows, layer], self.stamps[rows, layer]  # [rows, groups, capacity]
+        capacity, k = self.shape[-1], chosen.shape[-1]
+        valid = chosen >= 0
+        ordered, holder = held.sort(dim=-1)  # each chosen block's holder by binary search, not a capacity x k compare
+        at = torch.searchsorted(ordered, chosen).clamp_(max=capacity - 1)
+        hit = (ordered.gather(-1, at) == chosen) & valid
+        missed = valid & ~hit
+        order = missed.cumsum(dim=-1) - 1  # each miss's rank among its group's misses
+        slots = torch.where(hit, holder.gather(-1, at), capacity)  # capacity: no block (yet), a column cut off below
+        kept = torch.zeros((*held.shape[:-1], capacity + 1), dtype=torch.bool, device=held.device).scatter_(-1, slots, True)
+        victims = stamps.masked_fill(kept[..., :-1], torch.iinfo(torch.long).max).argsort(dim=-1)  # the others, oldest first
+        slots = torch.where(missed, victims.gather(-1, order.clamp(min=0)), slots)
+        recency = self.clock + torch.where(missed, k + order, torch.arange(k, device=chosen.device))  # hits in selection order, then misses
+        self.clock += 2 * k
+        held = torch.cat((held, held[..., :1]), dim=-1).scatter_(-1, slots, chosen)[..., :-1]
+        stamps = torch.cat((stamps, stamps[..., :1]), dim=-1).scatter_(-1, slots, recency)[..., :-1]
+        self.held[rows, layer], self.stamps[rows, layer] = held, stamps
+        devices = self.devices[rows][:, None, :].expand(-1, slots.shape[1], -1).gather(-1, slots.clamp(max=capacity - 1))  # padding: any
+        return devices, missed
 
 
 class OffloadManager:
@@ -296,6 +342,7 @@ class OffloadManager:
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulseinfer-io")
         self.workspace = GatherWorkspace()  # the attention-mass measurement's context gathers
         self.seqs: dict[str, OffloadedSeq] = {}
+        self.hot = HotBuffers(self.num_layers, scorer.kv_heads if per_head else 1, self.geometry, cache.k.device)
         self.decoded_rows = 0  # offloaded (request, step) decodes
         self.recall = RecallStats()  # summed since start; both threads add to it, under the lock
         self._recall_lock = threading.Lock()
@@ -313,8 +360,10 @@ class OffloadManager:
 
     def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
         for seq_id in seq_ids:
-            if self.seqs.pop(seq_id, None) is None:
+            seq = self.seqs.pop(seq_id, None)
+            if seq is None:
                 continue
+            self.hot.remove(seq.hot_row)
             try:
                 self.allocator.release(seq_id)
             except (HostPoolLost, KVStoreUnavailable):
@@ -346,6 +395,8 @@ class OffloadManager:
         try:
             self._ready(*args)
         except HostPoolLost:
+            for seq in self.seqs.values():
+                self.hot.remove(seq.hot_row)
             self.seqs.clear()
             if self.reattach is None:
                 raise
@@ -367,8 +418,7 @@ class OffloadManager:
             if len(footprint) != g.device_blocks:
                 raise ValueError(f"request {seq_id}: {len(footprint)} device blocks for an offloaded request, expected {g.device_blocks}")
             summaries = BlockSummaries(self.num_layers, self.scorer, g.block_size, self.cache.k.device)
-            groups = self.scorer.kv_heads if self.per_head else 1
-            seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, summaries, self.num_layers, groups)
+            seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, summaries, self.hot.add(tuple(footprint)))
         if seq.length != start or seq.footprint != tuple(footprint):
             raise ValueError(f"request {seq_id}: the plan (position {start}) disagrees with the worker's state ({seq.length} tokens)")
         hosted = max(0, end // g.block_size - g.sink_blocks)
@@ -434,6 +484,9 @@ class OffloadStep:
         # the offloaded rows' phase: None when they are the whole batch (no indexing then)
         self.offloaded_index = torch.tensor(self.offloaded_rows, dtype=torch.long, device=rows_on) if resident else None
         self.by_id = {s.seq_id: s for s in self.seqs}
+        self.decode_seqs = [self.by_id[seq_id] for seq_id in self.decode_rows]  # in row order
+        self.decode_index = torch.tensor(self.offloaded_rows, dtype=torch.long, device=rows_on)
+        self.hot_rows = torch.tensor([s.hot_row for s in self.decode_seqs], dtype=torch.long, device=rows_on)
         # layer -> its recalls on the I/O thread (a suspended cohort waits on those its rows left), and
         # the recalls a deadline left behind, which land before the step ends: the step's, shared by its cohorts
         self.pending: dict[int, list[RecallJob]] = {} if step is None else step.pending
@@ -483,6 +536,15 @@ class OffloadStep:
             for seq, chunk in zip(self.seqs, chunks):
                 seq.length = chunk.end_pos  # layer by layer, the writes below make it true before attention reads it
             manager.written_blocks += len(host_ids)
+        self.frame = self._frame(device)
+
+    def _frame(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """What each offloaded decode row attends besides its selection, at its new length: its sink
+        and window blocks (padded, and which are real), and the tokens of its last block."""
+        sinks, windows = zip(*(seq.resident_blocks() for seq in self.decode_seqs)) if self.decode_seqs else ((), ())
+        B = self.geometry.block_size
+        last_tokens = torch.tensor([(seq.length - 1) % B + 1 for seq in self.decode_seqs], dtype=torch.long, device=device)
+        return (*padded(sinks, device), *padded(windows, device), last_tokens)
 
     def cohort(self, batch: ForwardBatch) -> OffloadStep | None:
         """This step over a cohort's batch (its rows, resident ones aside); None if it has no offloaded chunk."""
@@ -533,19 +595,18 @@ class OffloadStep:
         with layer cursors that phase is marked suspended: those rows leave the batch at this layer
         with their tables and attend when they resume (unless no row of it could go on: then they wait)."""
         manager = self.manager
+        if not self.offloaded_rows:  # this step's offloaded requests all prefill
+            yield from self._resident_phase(batch)
+            return
         if manager.deadline_s is not None:
-            selections = self._start_recalls(layer, cache, q)
+            selection = self._start_recalls(layer, cache, q)
             in_flight = self._timed(self._settle, layer, time.perf_counter() + manager.deadline_s)
         elif manager.suspend:
-            selections, in_flight = self._start_recalls(layer, cache, q), set()
+            selection, in_flight = self._start_recalls(layer, cache, q), set()
         else:
-            selections, in_flight = self._recall_all(layer, cache, q), set()
-        tables, lens = self._tables(layer, cache, q, selections, in_flight)
-        if self.resident_rows is not None:
-            rows = self.resident_rows
-            yield DecodePhase(rows, batch.decode_block_tables[rows], batch.decode_ctx_lens[rows])
-        if not self.offloaded_rows:  # this step's offloaded requests all prefill
-            return
+            selection, in_flight = self._recall_all(layer, cache, q), set()
+        tables, lens = self._tables(layer, cache, q, selection, in_flight)
+        yield from self._resident_phase(batch)
         waiting = self._waiting_rows(layer)
         if not waiting:
             self.land(layer)  # landed already: nothing to wait for
@@ -562,6 +623,11 @@ class OffloadStep:
         self.land(layer)
         yield DecodePhase(self._rows(later, q.device), tables[later], lens[later])
 
+    def _resident_phase(self, batch: ForwardBatch) -> Iterator[DecodePhase]:
+        if self.resident_rows is not None:
+            rows = self.resident_rows
+            yield DecodePhase(rows, batch.decode_block_tables[rows], batch.decode_ctx_lens[rows])
+
     def resume(self, layer: int) -> None:
         """Counts the layers the cohort resuming at `layer` runs apart, then waits for its recalls."""
         self.manager.add_recall(resumed_layers=self.manager.num_layers - layer)
@@ -576,55 +642,68 @@ class OffloadStep:
         return torch.tensor([self.offloaded_rows[i] for i in positions], dtype=torch.long, device=device)
 
     def _tables(
-        self,
-        layer: int,
-        cache: PagedKVCache,
-        q: torch.Tensor,
-        selections: dict[int, list[list[int]]],
-        in_flight: set[tuple[str, int, int]],
+        self, layer: int, cache: PagedKVCache, q: torch.Tensor, selection: Selection, in_flight: set[tuple[str, int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The offloaded decode rows' blocks for this layer (in row order) and their context lengths:
-        their selections less the units a deadline left in flight (counted as truncated)."""
+        sink, selected and window blocks in logical order, less the selected units a deadline left
+        in flight (counted as truncated)."""
         manager, g = self.manager, self.geometry
         if layer == 0 and self.root:
             manager.decoded_rows += len(self.decode_rows)
-        tables, lens, truncated = [], [], 0
-        for seq_id, row in self.decode_rows.items():
-            seq, landed = self.by_id[seq_id], selections[row]
-            if in_flight:
-                landed = [[j for j in chosen if (seq_id, group, j) not in in_flight] for group, chosen in enumerate(landed)]
-                truncated += sum(map(len, selections[row])) - sum(map(len, landed))
-            table = seq.decode_row(layer, landed)
-            tables.append(table if manager.per_head else table[0])
-            lens.append((len(table[0]) - 1) * g.block_size + (seq.length - 1) % g.block_size + 1)
-            if manager.mass is not None:
-                self._measure(layer, cache, q[row], seq, landed)
-        manager.add_recall(truncated_units=truncated)
-        return pad_tables(tables).to(q.device), torch.tensor(lens, dtype=torch.long, device=q.device)
+        chosen, devices = selection
+        landed = chosen >= 0
+        if in_flight:
+            late = landed & self._units_in(chosen, in_flight)
+            landed &= ~late
+            manager.add_recall(truncated_units=int(late.sum()))
+        if manager.mass is not None:
+            for i, (seq, row) in enumerate(zip(self.decode_seqs, self.offloaded_rows)):
+                self._measure(layer, cache, q[row], seq, [(c[a] + g.sink_blocks).tolist() for c, a in zip(chosen[i], landed[i])])
+        groups = chosen.shape[1]
+        sink, sink_real, window, window_real = (t[:, None, :].expand(-1, groups, -1) for t in self.frame[:4])
+        order = chosen.masked_fill(~landed, torch.iinfo(torch.long).max).argsort(dim=-1)  # logical order, the rest last
+        table = torch.cat((sink, devices.gather(-1, order), window), dim=-1)
+        attended = torch.cat((sink_real, landed.gather(-1, order), window_real), dim=-1)
+        packed = (~attended).to(torch.uint8).sort(dim=-1, stable=True).indices  # the attended blocks first, in order
+        table, attended = table.gather(-1, packed), attended.gather(-1, packed)
+        count = attended.sum(dim=-1)  # [rows, groups]
+        table = torch.where(attended, table, table[..., :1])[..., : int(count.max())]  # padding repeats the row's first block
+        lens = (count[:, 0] - 1) * g.block_size + self.frame[4]
+        return (table if manager.per_head else table[:, 0]), lens
+
+    def _units_in(self, chosen: torch.Tensor, units: set[tuple[str, int, int]]) -> torch.Tensor:
+        """Which chosen blocks [rows, groups, k] are among the (request, group, logical block) units."""
+        rows, groups, _ = chosen.shape
+        position = {seq.seq_id: i for i, seq in enumerate(self.decode_seqs)}
+        span = max(len(seq.host_blocks) for seq in self.decode_seqs) + 1
+        sink = self.geometry.sink_blocks
+        keys = [(position[seq_id] * groups + group) * span + logical - sink for seq_id, group, logical in units if seq_id in position]
+        index = (torch.arange(rows * groups, device=chosen.device).view(rows, groups, 1) * span) + chosen
+        return torch.isin(index, torch.tensor(keys, dtype=torch.long, device=chosen.device))
 
     def _waiting_rows(self, layer: int) -> set[int]:
         """Decode rows with a unit of this layer still in flight on the I/O thread."""
         rows = self.decode_rows  # a cohort's: the layer's recalls may carry other cohorts' units
         return {rows[u.seq_id] for job in self.pending.get(layer, []) for u in job.units[job.landed :] if u.seq_id in rows}
 
-    def _recall_all(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> dict[int, list[list[int]]]:
+    def _recall_all(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> Selection:
         """Every selected block lands before attention: the layer-ahead recall first (the true
         query's misses may take its blocks), then the misses, copied on this thread."""
         self._timed(self._settle, layer, None)
-        selections, recalls = self._plan(layer, q, self.geometry.budget_blocks)
+        selection, recalls = self._plan(layer, q, self.geometry.budget_blocks)
         if recalls:
             self._correct(layer, recalls)
             self._timed(self._recall, layer, cache, RecallJob(recalls))
-        return selections
+        return selection
 
-    def _start_recalls(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> dict[int, list[list[int]]]:
+    def _start_recalls(self, layer: int, cache: PagedKVCache, q: torch.Tensor) -> Selection:
         """Selects with the true query; its misses queue behind the layer-ahead recall on the I/O
         thread (so blocks are written in the order they were assigned)."""
-        selections, recalls = self._plan(layer, q, self.geometry.budget_blocks)
+        selection, recalls = self._plan(layer, q, self.geometry.budget_blocks)
         if recalls:
             self._correct(layer, recalls)
             self._submit(layer, cache, recalls)
-        return selections
+        return selection
 
     def _correct(self, layer: int, recalls: list[Recall]) -> None:
         self._count(layer, recalls)
@@ -638,22 +717,21 @@ class OffloadStep:
         finally:
             self.manager.add_recall(io_wait_s=time.perf_counter() - started)
 
-    def _plan(self, layer: int, q: torch.Tensor, budget: int) -> tuple[dict[int, list[list[int]]], list[Recall]]:
-        """Selects each decode row's top-`budget` blocks for query q (one row per decode sequence)
-        and updates its hot buffer: the selections by row, and the misses by rank across the rows."""
-        g = self.geometry
-        rows = list(self.decode_rows.items())
-        seqs = [self.by_id[seq_id] for seq_id, _ in rows]
+    def _plan(self, layer: int, q: torch.Tensor, budget: int) -> tuple[Selection, list[Recall]]:
+        """Selects each decode row's top-`budget` host blocks for query q (one row per decode
+        sequence) and updates the hot buffers: the selection, and its misses."""
+        g, seqs = self.geometry, self.decode_seqs
         counts = [g.window_start(seq.length) - g.sink_blocks for seq in seqs]
-        index = torch.tensor([row for _, row in rows], dtype=torch.long, device=q.device)
-        picks = select_blocks(self.manager.scorer, layer, q[index], [seq.summaries for seq in seqs], counts, budget, self.manager.per_head)
-        selections, ranked = {}, []
-        for (seq_id, row), seq, chosen in zip(rows, seqs, picks):
-            selected = [[g.sink_blocks + i for i in group] for group in chosen]
-            misses = seq.recall_plan(layer, selected)
-            ranked.append([Recall(seq_id, j, group, seq.host_blocks[j - g.sink_blocks], dev) for j, group, dev in misses])
-            selections[row] = selected
-        return selections, by_rank(ranked)
+        summaries = [seq.summaries for seq in seqs]
+        chosen = select_blocks(self.manager.scorer, layer, q[self.decode_index], summaries, counts, budget, self.manager.per_head)
+        devices, missed = self.manager.hot.update(self.hot_rows, layer, chosen)
+        return Selection(chosen, devices), self._misses(chosen, devices, missed)
+
+    def _misses(self, chosen: torch.Tensor, devices: torch.Tensor, missed: torch.Tensor) -> list[Recall]:
+        row, group, k = by_rank(missed)
+        units = zip(row.tolist(), group.tolist(), chosen[row, group, k].tolist(), devices[row, group, k].tolist())
+        sink, seqs = self.geometry.sink_blocks, self.decode_seqs
+        return [Recall(seqs[r].seq_id, sink + j, h, seqs[r].host_blocks[j], dev) for r, h, j, dev in units]
 
     def _submit(self, layer: int, cache: PagedKVCache, recalls: list[Recall]) -> None:
         job = RecallJob(recalls)

@@ -99,23 +99,25 @@ class BlockSummaries:
 
 def select_blocks(
     scorer: Scorer, layer: int, q: torch.Tensor, summaries: Sequence[BlockSummaries], counts: Sequence[int], budget: int, per_head: bool
-) -> list[list[list[int]]]:
+) -> torch.Tensor:
     """For each decode row, the top-`budget` of its first `counts[row]` host blocks by the
     scorer's estimate for its query at `layer`: one set for all heads when not `per_head`
-    (SoloHead), else one per kv head. q: [rows, q_heads, dim]. Returns per row one list per
-    selection group (1 or kv_heads), highest score first: recalls go in that order, so a
-    deadline cuts the least promising blocks. The rows' scores (their block counts differ) go
-    into one padded matrix: one top-k and one copy to the host for the whole batch."""
+    (SoloHead), else one per kv head. q: [rows, q_heads, dim]. Returns host block indices
+    [rows, groups (1 or kv_heads), budget], highest score first (recalls go in that order, so a
+    deadline cuts the least promising blocks); a row with no more host blocks than the budget takes
+    them all, in order, padded with -1. The rows' scores (their block counts differ) go into one
+    padded matrix: one top-k for the whole batch."""
     groups = scorer.kv_heads if per_head else 1
+    chosen = torch.arange(budget, device=q.device).repeat(len(counts), groups, 1)
+    chosen.masked_fill_(chosen >= torch.tensor(counts, device=q.device)[:, None, None], -1)
     over = [r for r, n in enumerate(counts) if n > budget]
-    top: dict[int, list[list[int]]] = {}
     if over:
         rows = scorer.scores(layer, q[over], [summaries[r].hosted(layer, counts[r]) for r in over], per_head)
         scores = torch.full((len(over), groups, max(counts[r] for r in over)), float("-inf"), device=q.device)
         for i, (r, row) in enumerate(zip(over, rows)):
             scores[i, :, : counts[r]] = row
-        top = dict(zip(over, scores.topk(budget, dim=-1).indices.tolist()))
-    return [top[r] if r in top else [list(range(n)) for _ in range(groups)] for r, n in enumerate(counts)]
+        chosen[torch.tensor(over, device=q.device)] = scores.topk(budget, dim=-1).indices
+    return chosen
 
 
 class AttentionMass:

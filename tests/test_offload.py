@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pydoc_data.topics
 import time
-from collections import OrderedDict
 
 import pytest
 import torch
 
 from gpu_worker.batch import pad_tables
 from gpu_worker.model.llama import Cohort, LlamaModel
-from gpu_worker.offload import OffloadConfig, OffloadedSeq, OffloadStep, by_rank
+from gpu_worker.offload import HotBuffers, OffloadConfig, OffloadStep, by_rank
 from gpu_worker.runner import WorkerConfig
 from gpu_worker.sparse import BlockSummaries, LowRankScorer, QuestScorer, select_blocks
 from kernels.scoring import lowrank_scores
@@ -210,11 +209,6 @@ def test_recall_deadline_is_checked(model):
         _engine(model, "always", 4096, mode="headwise", recall_deadline_ms=5.0)
 
 
-def test_recalls_go_best_first_across_the_batch():
-    assert by_rank([["a1", "a2", "a3"], ["b1"], ["c1", "c2"]]) == ["a1", "b1", "c1", "a2", "c2", "a3"]
-    assert by_rank([]) == []
-
-
 def test_hosted_blocks_are_summarized_from_the_keys_the_host_pool_holds(model, corpus):
     """Prefill chunks of two requests in one step, ending mid-block, then decode steps that fill
     blocks one at a time: every hosted block's summary is its scorer's summary of its stored keys."""
@@ -288,7 +282,7 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     summaries.reserve(blocks)
     summaries.write(0, 0, keys)
     q = torch.randn(kv_heads * group, dim)
-    ((picked,),) = select_blocks(scorer, 0, q[None], [summaries], [blocks], 4, per_head=False)
+    ((picked,),) = select_blocks(scorer, 0, q[None], [summaries], [blocks], 4, per_head=False).tolist()
     grouped = q.view(kv_heads, group, dim)
     bound = [
         sum(torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for h in range(kv_heads))
@@ -298,8 +292,8 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     for b in range(blocks):  # an upper bound of every token's q.k summed over the heads
         exact = torch.einsum("hgd,thd->t", grouped, keys[b]).max().item()
         assert bound[b] >= exact - 1e-4
-    assert select_blocks(scorer, 0, q[None], [summaries], [3], 4, per_head=False) == [[[0, 1, 2]]]
-    (per_head,) = select_blocks(scorer, 0, q[None], [summaries], [blocks], 4, per_head=True)
+    assert select_blocks(scorer, 0, q[None], [summaries], [3], 4, per_head=False).tolist() == [[[0, 1, 2, -1]]]  # all, padded
+    (per_head,) = select_blocks(scorer, 0, q[None], [summaries], [blocks], 4, per_head=True).tolist()
     for h, chosen in enumerate(per_head):  # head-wise: each kv head's own top 4 by its group's bound
         head_bound = [
             torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for b in range(blocks)
@@ -342,31 +336,48 @@ def test_a_batch_selects_what_each_row_selects_alone():
         summaries.write(0, 0, torch.randn(12, 16, kv_heads, dim))
         for per_head in (False, True):
             batch = select_blocks(scorer, 0, q, [summaries] * len(counts), counts, budget, per_head)
-            alone = [select_blocks(scorer, 0, q[r : r + 1], [summaries], [n], budget, per_head)[0] for r, n in enumerate(counts)]
-            assert batch == alone
-            assert batch[1] == [[0, 1, 2]] * len(batch[1]) and all(max(group) < 5 for group in batch[2])
-        assert select_blocks(scorer, 0, q[:0], [], [], budget, False) == []
+            alone = [select_blocks(scorer, 0, q[r : r + 1], [summaries], [n], budget, per_head) for r, n in enumerate(counts)]
+            assert torch.equal(batch, torch.cat(alone))
+            assert batch[1].tolist() == [[0, 1, 2, -1]] * batch.shape[1] and 0 <= batch[2].min() and batch[2].max() < 5
+        assert select_blocks(scorer, 0, q[:0], [], [], budget, False).shape == (0, 1, budget)
 
 
 def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():
     g = OffloadConfig(sink=16, recent=16, budget=48).geometry(16)  # 3 hot blocks
-    seq = OffloadedSeq("s", (100, 101, 200, 201, 202), g, BlockSummaries(1, QuestScorer(1, 4), 16, torch.device("cpu")), num_layers=1)
-    assert [logical for logical, _, _ in seq.recall_plan(0, [[5, 6, 7]])] == [5, 6, 7]
-    assert sorted(seq.hot[0][0].values()) == [200, 201, 202]
-    assert seq.recall_plan(0, [[5, 6, 7]]) == []  # all present: nothing moves
-    fills = seq.recall_plan(0, [[6, 7, 9]])
-    assert fills == [(9, 0, 200)]  # 5 was least recently used and not selected: its block is reused
-    assert list(seq.hot[0][0]) == [6, 7, 9] and isinstance(seq.hot[0][0], OrderedDict)
+    hot = HotBuffers(1, 1, g, torch.device("cpu"))
+    hot.add((90, 91, 92, 93, 94))  # another request's row: untouched below
+    rows = torch.tensor([hot.add((100, 101, 200, 201, 202))])
+
+    def update(*chosen: int) -> tuple[list[int], list[int]]:
+        """The device blocks of the chosen blocks (padding left out) and the misses."""
+        devices, missed = hot.update(rows, 0, torch.tensor([[chosen]]))
+        real = [i for i, j in enumerate(chosen) if j >= 0]
+        return [devices[0, 0, i].item() for i in real], [chosen[i] for i in real if missed[0, 0, i]]
+
+    assert update(5, 6, 7) == ([200, 201, 202], [5, 6, 7])  # unused blocks first, in footprint order
+    assert update(5, 6, 7) == ([200, 201, 202], [])  # all present: nothing moves
+    assert update(6, 7, 9) == ([201, 202, 200], [9])  # 5 was least recently used and not selected: its block is reused
+    assert update(9, 7, -1) == ([200, 202], [])  # -1 pads a short selection
+    assert update(8, 5, -1) == ([201, 200], [8, 5])  # 6 (unselected since two updates), then 9 (older than 7)
+    assert hot.held[0].eq(-1).all()
 
 
 def test_headwise_hot_buffer_keeps_one_lru_per_kv_head():
     g = OffloadConfig(sink=16, recent=16, budget=32).geometry(16)  # 2 hot blocks, shared by 2 heads
-    seq = OffloadedSeq("s", (100, 101, 200, 201), g, BlockSummaries(1, QuestScorer(2, 4), 16, torch.device("cpu")), num_layers=1, groups=2)
-    # misses by rank across the heads: each head's best block first
-    assert seq.recall_plan(0, [[5, 6], [6, 8]]) == [(5, 0, 200), (6, 1, 200), (6, 0, 201), (8, 1, 201)]
-    assert seq.recall_plan(0, [[5, 6], [6, 9]]) == [(9, 1, 201)]  # only head 1's new block moves
-    seq.length = 16 * 12 + 3  # window: block 12; sink: block 0
-    assert seq.decode_row(0, [[6, 5], [9, 6]]) == [[100, 200, 201, 101], [100, 200, 201, 101]]  # in logical order
+    hot = HotBuffers(1, 2, g, torch.device("cpu"))
+    rows = torch.tensor([hot.add((100, 101, 200, 201))])
+    devices, missed = hot.update(rows, 0, torch.tensor([[[5, 6], [6, 8]]]))
+    assert devices.tolist() == [[[200, 201], [200, 201]]] and missed.all()
+    devices, missed = hot.update(rows, 0, torch.tensor([[[5, 6], [6, 9]]]))
+    assert devices.tolist() == [[[200, 201], [200, 201]]]
+    assert missed.tolist() == [[[False, False], [False, True]]]  # only head 1's new block moves
+
+
+def test_recalls_go_best_first_across_the_batch_and_its_heads():
+    missed = torch.tensor([[[True, True, False], [True, False, True]], [[False, True, False], [False, False, False]]])  # [rows, heads, k]
+    row, head, k = by_rank(missed)
+    assert list(zip(row.tolist(), head.tolist(), k.tolist())) == [(0, 0, 0), (1, 0, 1), (0, 1, 0), (0, 0, 1), (0, 1, 2)]
+    assert [t.numel() for t in by_rank(missed[:0])] == [0, 0, 0]
 
 
 def test_pad_tables_makes_shared_rows_per_head_when_any_row_is():
