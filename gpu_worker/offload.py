@@ -190,7 +190,7 @@ def padded(rows: tuple[list[int], ...], device: torch.device) -> tuple[torch.Ten
     """Lists of blocks as one [rows, longest] tensor padded with 0, and which entries are real."""
     width = max(map(len, rows), default=0)
     blocks = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
-    real = torch.tensor([[True] * len(row) + [False] * (width - len(row)) for row in rows], device=device)
+    real = torch.tensor([[True] * len(row) + [False] * (width - len(row)) for row in rows], dtype=torch.bool, device=device)  # width 0 too
     return blocks.view(len(rows), width), real.view(len(rows), width)
 
 

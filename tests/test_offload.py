@@ -61,6 +61,16 @@ def test_full_budget_offload_equals_dense_at_2k_and_4k(model, corpus):
     assert [c.token_ids for c in headwise] == [c.token_ids for c in dense]
 
 
+def test_offloaded_requests_within_their_sink_decode_as_dense(model, corpus):
+    """Contexts shorter than the sink: no window block and no host block in any row of the batch."""
+    prompts, params = [corpus[:5], corpus[100:120]], SamplingParams(max_tokens=8, ignore_eos=True)
+    dense = _engine(model, "never", 4096).generate(prompts, params)
+    engine = _engine(model, "always", 4096, sink=64, recent=256, budget=1024)
+    offloaded = engine.generate(prompts, params)
+    assert [c.token_ids for c in offloaded] == [c.token_ids for c in dense] and all(c.offloaded for c in offloaded)
+    _assert_all_freed(engine)
+
+
 @pytest.mark.gpu
 def test_full_budget_offload_equals_dense_on_cuda(model, corpus):
     prompts = [corpus[:1000], corpus[3000:3300]]
