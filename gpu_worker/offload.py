@@ -181,17 +181,12 @@ def by_rank(missed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     across its rows (and a row's heads), so a deadline cuts the lowest-ranked blocks."""
     rows, groups, _ = missed.shape
     row, group, k = missed.nonzero(as_tuple=True)
-    rank = (missed.cumsum(dim=-1) - 1)[row, group, k]
+    rank = missed.cumsum(dim=-1)[row, group, k]  # 1 for a (row, group)'s first miss
     order = ((rank * groups + group) * rows + row).argsort()
     return row[order], group[order], k[order]
 
 
-def padded(rows: tuple[list[int], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lists of blocks as one [rows, longest] tensor padded with 0, and which entries are real."""
-    width = max(map(len, rows), default=0)
-    blocks = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
-    real = torch.tensor([[True] * len(row) + [False] * (width - len(row)) for row in rows], dtype=torch.bool, device=device)  # width 0 too
-    return blocks.view(len(rows), width), real.view(len(rows), width)
+NO_BLOCK = torch.iinfo(torch.long).max  # sorts after every logical block
 
 
 class Selection(NamedTuple):
@@ -239,13 +234,12 @@ class OffloadedSeq:
             return self.ring[logical % self.geometry.ring_blocks]
         raise KeyError(f"logical block {logical} of {self.seq_id} is in the host tier")
 
-    def resident_blocks(self) -> tuple[list[int], list[int]]:
-        """The device blocks of the sink and of the recent window attended at the current length,
-        in logical order: what a decode row attends before and after its selected host blocks."""
+    def resident_blocks(self) -> list[tuple[int, int]]:
+        """(logical block, device block) of the sink and of the recent window attended at the current
+        length, in logical order: what a decode row attends besides its selected host blocks."""
         length, g = self.length, self.geometry
-        last = (length - 1) // g.block_size
-        sink = [self.sink[j] for j in range(min(g.sink_blocks, last + 1))]
-        return sink, [self.ring[j % g.ring_blocks] for j in self.window(length)]
+        sink = range(min(g.sink_blocks, (length - 1) // g.block_size + 1))
+        return [(j, self.sink[j]) for j in sink] + [(j, self.ring[j % g.ring_blocks]) for j in self.window(length)]
 
     def window(self, length: int) -> range:
         """Logical blocks of the recent window of a context of `length` tokens."""
@@ -264,11 +258,13 @@ class HotBuffers:
     footprint order), then the least recently used ones."""
 
     def __init__(self, num_layers: int, groups: int, geometry: OffloadGeometry, device: torch.device):
-        self.shape = (num_layers, groups, geometry.hot_blocks)
+        self.capacity = geometry.hot_blocks
+        # one column more than the capacity: a selection's padding writes there, and it is never read
+        self.shape = (num_layers, groups, self.capacity + 1)
         self.hot_start = geometry.sink_blocks + geometry.ring_blocks  # a footprint's first hot block
         self.held = torch.empty((0, *self.shape), dtype=torch.long, device=device)
         self.stamps = torch.empty_like(self.held)
-        self.devices = torch.empty((0, geometry.hot_blocks), dtype=torch.long, device=device)  # each row's hot device blocks
+        self.devices = torch.empty((0, self.capacity + 1), dtype=torch.long, device=device)  # each row's hot device blocks
         self.free: list[int] = []
         self.clock = 0  # every update's stamps exceed the earlier ones'
 
@@ -279,10 +275,10 @@ class HotBuffers:
             grow = max(have, 4)
             self.held, self.stamps, self.devices = (torch.cat((t, t.new_empty((grow, *t.shape[1:])))) for t in self.tensors())
             self.free = list(range(have + grow - 1, have - 1, -1))
-        row, capacity = self.free.pop(), self.shape[-1]
+        row, hot = self.free.pop(), footprint[self.hot_start :]
         self.held[row] = -1
-        self.stamps[row] = torch.arange(-capacity, 0)  # unused blocks: older than any selection, in footprint order
-        self.devices[row] = torch.tensor(footprint[self.hot_start :])
+        self.stamps[row] = torch.arange(-self.capacity - 1, 0)  # unused blocks: older than any selection, in footprint order
+        self.devices[row] = torch.tensor((*hot, hot[0]))  # the spare column: a block of the row's own
         return row
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -294,26 +290,26 @@ class HotBuffers:
     def update(self, rows: torch.Tensor, layer: int, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Makes the chosen host blocks [len(rows), groups, k] (best first, -1 padding; k at most
         the capacity) the most recently used of the rows' hot buffers at `layer`. Returns the device
-        block of each chosen block and which of them missed (their device block is to be filled)."""
-        held, stamps = self.held[rows, layer], self.stamps[rows, layer]  # [rows, groups, capacity]
-        capacity, k = self.shape[-1], chosen.shape[-1]
+        block of each chosen block (padding: one of the row's) and which of them missed (their
+        device block is to be filled)."""
+        held, stamps = self.held[rows, layer], self.stamps[rows, layer]  # [rows, groups, capacity + 1]
+        capacity, k = self.capacity, chosen.shape[-1]
         valid = chosen >= 0
-        ordered, holder = held.sort(dim=-1)  # each chosen block's holder by binary search, not a capacity x k compare
+        ordered, holder = held[..., :capacity].sort(dim=-1)  # each chosen block's holder by binary search
         at = torch.searchsorted(ordered, chosen).clamp_(max=capacity - 1)
         hit = (ordered.gather(-1, at) == chosen) & valid
         missed = valid & ~hit
-        order = missed.cumsum(dim=-1) - 1  # each miss's rank among its group's misses
-        slots = torch.where(hit, holder.gather(-1, at), capacity)  # capacity: no block (yet), a column cut off below
-        kept = torch.zeros((*held.shape[:-1], capacity + 1), dtype=torch.bool, device=held.device).scatter_(-1, slots, True)
-        victims = stamps.masked_fill(kept[..., :-1], torch.iinfo(torch.long).max).argsort(dim=-1)  # the others, oldest first
-        slots = torch.where(missed, victims.gather(-1, order.clamp(min=0)), slots)
-        recency = self.clock + torch.where(missed, k + order, torch.arange(k, device=chosen.device))  # hits in selection order, then misses
+        order = missed.cumsum(dim=-1).sub_(1)  # each miss's rank among its group's misses
+        # the hits in selection order, then the misses; every stamp of this update after every earlier one
+        recency = torch.where(missed, order + k, torch.arange(k, device=chosen.device)).add_(self.clock)
         self.clock += 2 * k
-        held = torch.cat((held, held[..., :1]), dim=-1).scatter_(-1, slots, chosen)[..., :-1]
-        stamps = torch.cat((stamps, stamps[..., :1]), dim=-1).scatter_(-1, slots, recency)[..., :-1]
-        self.held[rows, layer], self.stamps[rows, layer] = held, stamps
-        devices = self.devices[rows][:, None, :].expand(-1, slots.shape[1], -1).gather(-1, slots.clamp(max=capacity - 1))  # padding: any
-        return devices, missed
+        slots = torch.where(hit, holder.gather(-1, at), capacity)  # capacity: the spare column
+        stamps.scatter_(-1, slots, recency)  # the hits are now the newest: the oldest blocks are the others
+        victims = stamps[..., :capacity].argsort(dim=-1)
+        slots = torch.where(missed, victims.gather(-1, order.clamp_(min=0)), slots)
+        self.held[rows, layer] = held.scatter_(-1, slots, chosen)
+        self.stamps[rows, layer] = stamps.scatter_(-1, slots, recency)
+        return self.devices[rows][:, None, :].expand(-1, slots.shape[1], -1).gather(-1, slots), missed
 
 
 class OffloadManager:
@@ -540,11 +536,15 @@ class OffloadStep:
 
     def _frame(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """What each offloaded decode row attends besides its selection, at its new length: its sink
-        and window blocks (padded, and which are real), and the tokens of its last block."""
-        sinks, windows = zip(*(seq.resident_blocks() for seq in self.decode_seqs)) if self.decode_seqs else ((), ())
+        and window blocks [rows, width] (padded with its first block), their logical blocks (padded
+        with NO_BLOCK), and the tokens of its last block."""
+        rows = [seq.resident_blocks() for seq in self.decode_seqs]
+        width = max(map(len, rows), default=0)
+        padded = [row + [(NO_BLOCK, row[0][1])] * (width - len(row)) for row in rows]
+        logical, blocks = (torch.tensor([[pair[i] for pair in row] for row in padded], dtype=torch.long, device=device) for i in (0, 1))
         B = self.geometry.block_size
         last_tokens = torch.tensor([(seq.length - 1) % B + 1 for seq in self.decode_seqs], dtype=torch.long, device=device)
-        return (*padded(sinks, device), *padded(windows, device), last_tokens)
+        return blocks.view(len(rows), width), logical.view(len(rows), width), last_tokens
 
     def cohort(self, batch: ForwardBatch) -> OffloadStep | None:
         """This step over a cohort's batch (its rows, resident ones aside); None if it has no offloaded chunk."""
@@ -660,15 +660,16 @@ class OffloadStep:
             for i, (seq, row) in enumerate(zip(self.decode_seqs, self.offloaded_rows)):
                 self._measure(layer, cache, q[row], seq, [(c[a] + g.sink_blocks).tolist() for c, a in zip(chosen[i], landed[i])])
         groups = chosen.shape[1]
-        sink, sink_real, window, window_real = (t[:, None, :].expand(-1, groups, -1) for t in self.frame[:4])
-        order = chosen.masked_fill(~landed, torch.iinfo(torch.long).max).argsort(dim=-1)  # logical order, the rest last
-        table = torch.cat((sink, devices.gather(-1, order), window), dim=-1)
-        attended = torch.cat((sink_real, landed.gather(-1, order), window_real), dim=-1)
-        packed = (~attended).to(torch.uint8).sort(dim=-1, stable=True).indices  # the attended blocks first, in order
-        table, attended = table.gather(-1, packed), attended.gather(-1, packed)
+        resident, resident_logical, last_tokens = self.frame
+        selected = (chosen + g.sink_blocks).masked_fill_(~landed, NO_BLOCK)
+        logical = torch.cat((resident_logical[:, None].expand(-1, groups, -1), selected), dim=-1)
+        logical, order = logical.sort(dim=-1)  # the attended blocks in logical order, then the rest
+        attended = logical != NO_BLOCK
         count = attended.sum(dim=-1)  # [rows, groups]
-        table = torch.where(attended, table, table[..., :1])[..., : int(count.max())]  # padding repeats the row's first block
-        lens = (count[:, 0] - 1) * g.block_size + self.frame[4]
+        width = int(count.max())
+        blocks = torch.cat((resident[:, None].expand(-1, groups, -1), devices), dim=-1).gather(-1, order[..., :width])
+        table = torch.where(attended[..., :width], blocks, resident[:, :1, None])  # padding repeats the row's first block
+        lens = (count[:, 0] - 1) * g.block_size + last_tokens
         return (table if manager.per_head else table[:, 0]), lens
 
     def _units_in(self, chosen: torch.Tensor, units: set[tuple[str, int, int]]) -> torch.Tensor:
@@ -729,7 +730,7 @@ class OffloadStep:
 
     def _misses(self, chosen: torch.Tensor, devices: torch.Tensor, missed: torch.Tensor) -> list[Recall]:
         row, group, k = by_rank(missed)
-        units = zip(row.tolist(), group.tolist(), chosen[row, group, k].tolist(), devices[row, group, k].tolist())
+        units = torch.stack((row, group, chosen[row, group, k], devices[row, group, k])).T.tolist()
         sink, seqs = self.geometry.sink_blocks, self.decode_seqs
         return [Recall(seqs[r].seq_id, sink + j, h, seqs[r].host_blocks[j], dev) for r, h, j, dev in units]
 

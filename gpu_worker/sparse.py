@@ -108,15 +108,20 @@ def select_blocks(
     them all, in order, padded with -1. The rows' scores (their block counts differ) go into one
     padded matrix: one top-k for the whole batch."""
     groups = scorer.kv_heads if per_head else 1
-    chosen = torch.arange(budget, device=q.device).repeat(len(counts), groups, 1)
-    chosen.masked_fill_(chosen >= torch.tensor(counts, device=q.device)[:, None, None], -1)
     over = [r for r, n in enumerate(counts) if n > budget]
+    top = None
     if over:
         rows = scorer.scores(layer, q[over], [summaries[r].hosted(layer, counts[r]) for r in over], per_head)
         scores = torch.full((len(over), groups, max(counts[r] for r in over)), float("-inf"), device=q.device)
         for i, (r, row) in enumerate(zip(over, rows)):
             scores[i, :, : counts[r]] = row
-        chosen[torch.tensor(over, device=q.device)] = scores.topk(budget, dim=-1).indices
+        top = scores.topk(budget, dim=-1).indices
+        if len(over) == len(counts):
+            return top  # the usual case in decode: no row to pad
+    chosen = torch.arange(budget, device=q.device).repeat(len(counts), groups, 1)
+    chosen.masked_fill_(chosen >= torch.tensor(counts, device=q.device)[:, None, None], -1)
+    if top is not None:
+        chosen[torch.tensor(over, device=q.device)] = top
     return chosen
 
 
