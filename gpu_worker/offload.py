@@ -273,16 +273,14 @@ class HotBuffers:
         if not self.free:
             have = self.held.shape[0]
             grow = max(have, 4)
-            self.held, self.stamps, self.devices = (torch.cat((t, t.new_empty((grow, *t.shape[1:])))) for t in self.tensors())
+            grown = [torch.cat((t, t.new_empty((grow, *t.shape[1:])))) for t in (self.held, self.stamps, self.devices)]
+            self.held, self.stamps, self.devices = grown
             self.free = list(range(have + grow - 1, have - 1, -1))
         row, hot = self.free.pop(), footprint[self.hot_start :]
         self.held[row] = -1
         self.stamps[row] = torch.arange(-self.capacity - 1, 0)  # unused blocks: older than any selection, in footprint order
         self.devices[row] = torch.tensor((*hot, hot[0]))  # the spare column: a block of the row's own
         return row
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.held, self.stamps, self.devices
 
     def remove(self, row: int) -> None:
         self.free.append(row)
