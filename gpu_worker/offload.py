@@ -476,10 +476,10 @@ class OffloadStep:
         rows_on = batch.input_ids.device
         self.resident_rows = torch.tensor(resident, dtype=torch.long, device=rows_on) if resident else None
         # the offloaded rows' phase: None when they are the whole batch (no indexing then)
-        self.offloaded_index = torch.tensor(self.offloaded_rows, dtype=torch.long, device=rows_on) if resident else None
+        self.decode_index = torch.tensor(self.offloaded_rows, dtype=torch.long, device=rows_on)
+        self.offloaded_index = self.decode_index if resident else None
         self.by_id = {s.seq_id: s for s in self.seqs}
         self.decode_seqs = [self.by_id[seq_id] for seq_id in self.decode_rows]  # in row order
-        self.decode_index = torch.tensor(self.offloaded_rows, dtype=torch.long, device=rows_on)
         self.hot_rows = torch.tensor([s.hot_row for s in self.decode_seqs], dtype=torch.long, device=rows_on)
         # layer -> its recalls on the I/O thread (a suspended cohort waits on those its rows left), and
         # the recalls a deadline left behind, which land before the step ends: the step's, shared by its cohorts
