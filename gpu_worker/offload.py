@@ -31,7 +31,7 @@ from kernels.gather_scatter import recall
 from kv_store.allocator import PoolExhausted
 from kv_store.client import HostPoolLost, KVStoreUnavailable, RemoteRecall
 from kv_store.view import PoolView
-from scheduler.plan import RecallStats, StepPlan
+from scheduler.plan import RECALL_FIELDS, RecallStats, StepPlan
 
 
 class HostAllocator(Protocol):
@@ -338,7 +338,9 @@ class OffloadManager:
         self.seqs: dict[str, OffloadedSeq] = {}
         self.hot = HotBuffers(self.num_layers, scorer.kv_heads if per_head else 1, self.geometry, cache.k.device)
         self.decoded_rows = 0  # offloaded (request, step) decodes
-        self.recall = RecallStats()  # summed since start; both threads add to it, under the lock
+        # RecallStats summed since start, as plain counters: both threads add to them, under the lock,
+        # several times a layer (a RecallStats built and summed per call cost ~2 ms a decode step)
+        self._recalled = dict.fromkeys(RECALL_FIELDS, 0)
         self._recall_lock = threading.Lock()
         self.recall_bytes_by_layer = [0] * self.num_layers
         self.written_blocks = 0
@@ -350,7 +352,13 @@ class OffloadManager:
 
     def add_recall(self, **counts: float) -> None:
         with self._recall_lock:
-            self.recall += RecallStats(**counts)
+            for name, count in counts.items():
+                self._recalled[name] += count
+
+    @property
+    def recall(self) -> RecallStats:
+        with self._recall_lock:
+            return RecallStats(**self._recalled)
 
     def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
         for seq_id in seq_ids:
@@ -531,6 +539,9 @@ class OffloadStep:
                 seq.length = chunk.end_pos  # layer by layer, the writes below make it true before attention reads it
             manager.written_blocks += len(host_ids)
         self.frame = self._frame(device)
+        # what each decode row selects from, at every layer of the step: its host blocks before the window
+        self.host_counts = [g.window_start(seq.length) - g.sink_blocks for seq in self.decode_seqs]
+        self.summaries = [seq.summaries for seq in self.decode_seqs]
 
     def _frame(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """What each offloaded decode row attends besides its selection, at its new length: its sink
@@ -719,11 +730,9 @@ class OffloadStep:
     def _plan(self, layer: int, q: torch.Tensor, budget: int) -> tuple[Selection, list[Recall]]:
         """Selects each decode row's top-`budget` host blocks for query q (one row per decode
         sequence) and updates the hot buffers: the selection, and its misses."""
-        g, seqs = self.geometry, self.decode_seqs
-        counts = [g.window_start(seq.length) - g.sink_blocks for seq in seqs]
-        summaries = [seq.summaries for seq in seqs]
-        chosen = select_blocks(self.manager.scorer, layer, q[self.decode_index], summaries, counts, budget, self.manager.per_head)
-        devices, missed = self.manager.hot.update(self.hot_rows, layer, chosen)
+        manager = self.manager
+        chosen = select_blocks(manager.scorer, layer, q[self.decode_index], self.summaries, self.host_counts, budget, manager.per_head)
+        devices, missed = manager.hot.update(self.hot_rows, layer, chosen)
         return Selection(chosen, devices), self._misses(chosen, devices, missed)
 
     def _misses(self, chosen: torch.Tensor, devices: torch.Tensor, missed: torch.Tensor) -> list[Recall]:
