@@ -48,7 +48,7 @@ from gpu_worker.offload import OffloadConfig
 from gpu_worker.runner import WorkerConfig
 from pulseinfer.engine import Engine, EngineConfig
 from scheduler.batcher import BatcherConfig
-from scheduler.plan import Chunk
+from scheduler.plan import Chunk, StepPlan
 from scheduler.request import SamplingParams
 
 BASELINES = ("dense", "headwise", "pulse")
@@ -152,6 +152,31 @@ class TeacherForcing:
         return forced
 
 
+@dataclass(frozen=True)
+class ServedStep:
+    plan: StepPlan
+    seconds: float
+    ended: float  # time.perf_counter() at its end
+
+
+def serve(engine: Engine, forcing: TeacherForcing | None = None) -> tuple[dict[str, list[int]], list[ServedStep]]:
+    """Steps the engine until its requests have finished: each one's tokens, and every step that ran
+    a plan, timed. A failed request fails the benchmark."""
+    tokens: dict[str, list[int]] = {}
+    steps: list[ServedStep] = []
+    while engine.batcher.has_work():
+        before = time.perf_counter()
+        finished = engine.step(forcing)
+        now = time.perf_counter()
+        for completion in finished:
+            if completion.error:
+                raise RuntimeError(f"request {completion.seq_id} failed: {completion.error}")
+            tokens[completion.seq_id] = completion.token_ids
+        if engine.last_plan is not None:
+            steps.append(ServedStep(engine.last_plan, now - before, now))
+    return tokens, steps
+
+
 def run_mode(
     mode: str, config: DecodeBenchConfig, loaded: LoadedModel, requests: list[list[int]], reference: list[list[int]] | None = None
 ) -> dict:
@@ -163,37 +188,27 @@ def run_mode(
     forcing = None
     if reference is not None:
         forcing = TeacherForcing(dict(zip(ids, reference)), {seq_id: len(prompt) for seq_id, prompt in zip(ids, requests)})
+    started = time.perf_counter()
+    tokens, steps = serve(engine, forcing)
     token_times: dict[str, list[float]] = {seq_id: [] for seq_id in ids}
     decode_time: dict[str, float] = dict.fromkeys(ids, 0.0)  # summed time of the decode steps each request was in
-    tokens: dict[str, list[int]] = {}
     decode_rows, decode_s, batch_sizes, prefill_s = 0, 0.0, [], 0.0
-    started = time.perf_counter()
-    while engine.batcher.has_work():
-        before = time.perf_counter()
-        finished = engine.step(forcing)
-        now = time.perf_counter()
-        plan = engine.last_plan
-        for completion in finished:
-            if completion.error:
-                raise RuntimeError(f"{mode}: request failed: {completion.error}")
-            tokens[completion.seq_id] = completion.token_ids
-        if plan is None:
-            continue
-        for chunk in plan.chunks:
+    for step in steps:
+        for chunk in step.plan.chunks:
             if chunk.sampling is not None:
-                token_times[chunk.seq_id].append(now)
-        decoded = plan.decode_chunks
+                token_times[chunk.seq_id].append(step.ended)
+        decoded = step.plan.decode_chunks
         if not decoded:
-            prefill_s += now - before
+            prefill_s += step.seconds
             continue
         batch_sizes.append(len(decoded))
-        decode_rows, decode_s = decode_rows + len(decoded), decode_s + now - before
+        decode_rows, decode_s = decode_rows + len(decoded), decode_s + step.seconds
         for chunk in decoded:
-            decode_time[chunk.seq_id] += now - before
+            decode_time[chunk.seq_id] += step.seconds
     wall = time.perf_counter() - started
     tpot = [decode_time[seq_id] / (len(tokens[seq_id]) - 1) for seq_id in ids if len(tokens[seq_id]) > 1]
     stalled = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
-    steps = max(len(batch_sizes), 1)
+    decode_steps = max(len(batch_sizes), 1)
     stats = engine.selection_stats()
     return {
         "mode": mode,
@@ -206,9 +221,9 @@ def run_mode(
         "mean_decode_batch": statistics.fmean(batch_sizes) if batch_sizes else 0.0,
         "offloaded_requests": engine.batcher.num_offloaded,
         "held_for_link": engine.batcher.num_held_for_link,
-        "recall_bytes_per_step": stats.get("recall_bytes", 0) / steps,
-        "recall_transfers_per_step": stats.get("recall_transfers", 0) / steps,
-        "recall_bytes_by_layer_per_step": [b / steps for b in stats.get("recall_bytes_by_layer", [])],
+        "recall_bytes_per_step": stats.get("recall_bytes", 0) / decode_steps,
+        "recall_transfers_per_step": stats.get("recall_transfers", 0) / decode_steps,
+        "recall_bytes_by_layer_per_step": [b / decode_steps for b in stats.get("recall_bytes_by_layer", [])],
         "io_wait_s": stats.get("io_wait_seconds", 0.0),
         "decode_s": decode_s,
         "prefill_s": prefill_s,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import zmq
 
-from bench.decode import agreement
+from bench.decode import agreement, serve
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.offload import HostTier, OffloadConfig
 from gpu_worker.runner import WorkerConfig
@@ -74,15 +74,8 @@ def kv_store_tier(loaded: LoadedModel, worker: WorkerConfig, host_kv_tokens: int
 def decode(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[float]]:
     """The requests' tokens, and the seconds of every decode-only step."""
     ids = [engine.submit(p, params) for p in prompts]
-    done, step_s = {}, []
-    while len(done) < len(ids) or engine.batcher.released:
-        started = time.perf_counter()
-        finished = engine.step()
-        elapsed = time.perf_counter() - started
-        if engine.last_plan is not None and all(len(c.token_ids) == 1 for c in engine.last_plan.chunks):
-            step_s.append(elapsed)
-        done.update((c.seq_id, c) for c in finished)
-    return [done[i].token_ids for i in ids], step_s
+    tokens, steps = serve(engine)
+    return [tokens[i] for i in ids], [s.seconds for s in steps if all(len(c.token_ids) == 1 for c in s.plan.chunks)]
 
 
 def run_path(loaded: LoadedModel, host: HostTier | None, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[dict, list]:
