@@ -494,45 +494,41 @@ class OffloadStep:
         self.pending: dict[int, list[RecallJob]] = {} if step is None else step.pending
         self.landing: list[RecallJob] = [] if step is None else step.landing
         B = g.block_size
-        prefix_buf, prefix_slots, chunk_buf, chunk_tokens, dev_slots, dev_buf = [], [], [], [], [], []
-        host_ids, host_buf, summary_runs = [], [], []
-        buf_blocks = 0
+        # the new tokens of device blocks go straight to the cache; the host-bound blocks (full and past
+        # the sink) are assembled in a buffer, one block per row: any earlier tokens of the chunk's
+        # partly filled first block from the cache, the rest from the new tokens
+        dev_slots, dev_tokens, prefix_buf, prefix_slots, host_buf, host_tokens = [], [], [], [], [], []
+        host_ids, summary_runs = [], []
         for seq, chunk in zip(self.seqs, chunks):
             start, end = chunk.start_pos, chunk.end_pos
-            first, last = start // B, (end - 1) // B
-            base = buf_blocks * B  # buffer row of logical block `first`, position first * B
-            if start % B:  # the partly filled block: its earlier tokens come from the device
-                dev = seq.device_block(first, start)
-                prefix_buf.append(torch.arange(base, base + start % B))
-                prefix_slots.append(torch.arange(dev * B, dev * B + start % B))
-            flat = batch.chunk_starts[chunk.seq_id]
-            chunk_buf.append(torch.arange(base + start % B, base + start % B + (end - start)))
-            chunk_tokens.append(torch.arange(flat, flat + end - start))
+            flat = batch.chunk_starts[chunk.seq_id] - start  # the flat token index of context position 0
             hosted = len(host_ids)
-            for j in range(first, last + 1):
-                rows = min(B, end - j * B)
-                row0 = base + (j - first) * B
+            for j in range(start // B, (end - 1) // B + 1):
+                begin, stop = max(start, j * B), min(end, (j + 1) * B)  # this block's new positions
                 if j < g.sink_blocks or j >= g.window_start(end):
                     dev = seq.device_block(j, end)
-                    dev_slots.append(torch.arange(dev * B, dev * B + rows))
-                    dev_buf.append(torch.arange(row0, row0 + rows))
-                if j >= g.sink_blocks and rows == B:
+                    dev_slots.append(torch.arange(dev * B + begin - j * B, dev * B + stop - j * B))
+                    dev_tokens.append(torch.arange(flat + begin, flat + stop))
+                if j >= g.sink_blocks and stop == (j + 1) * B:
+                    row0 = len(host_ids) * B
+                    if begin > j * B:
+                        dev = seq.device_block(j, start)
+                        prefix_buf.append(torch.arange(row0, row0 + begin - j * B))
+                        prefix_slots.append(torch.arange(dev * B, dev * B + begin - j * B))
+                    host_buf.append(torch.arange(row0 + begin - j * B, row0 + B))
+                    host_tokens.append(torch.arange(flat + begin, flat + stop))
                     host_ids.append(seq.host_blocks[j - g.sink_blocks])
-                    host_buf.append(row0 // B)
             if len(host_ids) > hosted:  # the chunk's newly full host blocks are consecutive: one summary write
-                summary_runs.append((seq, max(first, g.sink_blocks) - g.sink_blocks, hosted, len(host_ids) - hosted))
-            buf_blocks += last - first + 1
+                summary_runs.append((seq, max(start // B, g.sink_blocks) - g.sink_blocks, hosted, len(host_ids) - hosted))
         device = batch.input_ids.device
 
         def cat(parts: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
 
-        self.buf_rows = buf_blocks * B
+        self.dev_slots, self.dev_tokens = cat(dev_slots), cat(dev_tokens)
         self.prefix_buf, self.prefix_slots = cat(prefix_buf), cat(prefix_slots)
-        self.chunk_buf, self.chunk_tokens = cat(chunk_buf), cat(chunk_tokens)
-        self.dev_slots, self.dev_buf = cat(dev_slots), cat(dev_buf)
+        self.host_buf, self.host_tokens = cat(host_buf), cat(host_tokens)
         self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
-        self.host_buf = torch.tensor(host_buf, dtype=torch.long, device=device)
         self.summary_runs = summary_runs  # (request, first summary slot, first host_ids row, count)
         if self.root:
             for seq, chunk in zip(self.seqs, chunks):
@@ -564,20 +560,21 @@ class OffloadStep:
 
     def store(self, layer: int, cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes the chunks' new K/V: sink and window blocks to the device, newly full blocks to the host pool."""
-        B = self.geometry.block_size
+        B, count = self.geometry.block_size, self.host_ids.numel()
         k_cache, v_cache = cache.layer(layer)
-        buffers = []
+        blocks = []
         for new, cached in ((k, k_cache), (v, v_cache)):
-            buf = torch.empty((self.buf_rows, *cached.shape[1:]), dtype=cached.dtype, device=cached.device)
-            buf[self.prefix_buf] = cached[self.prefix_slots]
-            buf[self.chunk_buf] = new[self.chunk_tokens]
-            cached.index_copy_(0, self.dev_slots, buf[self.dev_buf])
-            buffers.append(buf.view(-1, B, *cached.shape[1:]))
-        if self.host_ids.numel():
-            k_blocks, v_blocks = buffers[0][self.host_buf], buffers[1][self.host_buf]
+            if count:  # read before the device writes: a long chunk's window may reuse the ring slot of its first block
+                buf = torch.empty((count * B, *cached.shape[1:]), dtype=cached.dtype, device=cached.device)
+                buf[self.prefix_buf] = cached[self.prefix_slots]
+                buf[self.host_buf] = new[self.host_tokens]
+                blocks.append(buf.view(count, B, *cached.shape[1:]))
+            cached.index_copy_(0, self.dev_slots, new[self.dev_tokens])
+        if count:
+            k_blocks, v_blocks = blocks
             self.manager.view.write(self.host_ids, layer, k_blocks, v_blocks)
-            for seq, first, row, count in self.summary_runs:
-                seq.summaries.write(layer, first, k_blocks[row : row + count])
+            for seq, first, row, n in self.summary_runs:
+                seq.summaries.write(layer, first, k_blocks[row : row + n])
 
     @property
     def prefetching(self) -> bool:
