@@ -504,19 +504,20 @@ class OffloadStep:
             flat = batch.chunk_starts[chunk.seq_id] - start  # the flat token index of context position 0
             hosted = len(host_ids)
             for j in range(start // B, (end - 1) // B + 1):
-                begin, stop = max(start, j * B), min(end, (j + 1) * B)  # this block's new positions
+                lo, hi = max(start - j * B, 0), min(end - j * B, B)  # the block's new tokens, as offsets in it
+                tokens = torch.arange(flat + j * B + lo, flat + j * B + hi)
                 if j < g.sink_blocks or j >= g.window_start(end):
                     dev = seq.device_block(j, end)
-                    dev_slots.append(torch.arange(dev * B + begin - j * B, dev * B + stop - j * B))
-                    dev_tokens.append(torch.arange(flat + begin, flat + stop))
-                if j >= g.sink_blocks and stop == (j + 1) * B:
+                    dev_slots.append(torch.arange(dev * B + lo, dev * B + hi))
+                    dev_tokens.append(tokens)
+                if j >= g.sink_blocks and hi == B:
                     row0 = len(host_ids) * B
-                    if begin > j * B:
+                    if lo:
                         dev = seq.device_block(j, start)
-                        prefix_buf.append(torch.arange(row0, row0 + begin - j * B))
-                        prefix_slots.append(torch.arange(dev * B, dev * B + begin - j * B))
-                    host_buf.append(torch.arange(row0 + begin - j * B, row0 + B))
-                    host_tokens.append(torch.arange(flat + begin, flat + stop))
+                        prefix_buf.append(torch.arange(row0, row0 + lo))
+                        prefix_slots.append(torch.arange(dev * B, dev * B + lo))
+                    host_buf.append(torch.arange(row0 + lo, row0 + B))
+                    host_tokens.append(tokens)
                     host_ids.append(seq.host_blocks[j - g.sink_blocks])
             if len(host_ids) > hosted:  # the chunk's newly full host blocks are consecutive: one summary write
                 summary_runs.append((seq, max(start // B, g.sink_blocks) - g.sink_blocks, hosted, len(host_ids) - hosted))
