@@ -36,7 +36,7 @@ def main() -> None:
 
     config = load_model_meta().config
     geometry = PoolGeometry.for_model(config, BLOCK, args.blocks * BLOCK, "float32")
-    pool = SharedPool("pulseinfer-kv-bench", geometry)
+    pool = SharedPool(geometry)
     view = PoolView.attach(KVStore(pool).layout(), config.num_kv_heads, BLOCK, config.head_dim, torch.float32)
     try:
         heads, dim = config.num_kv_heads, config.head_dim

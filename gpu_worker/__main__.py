@@ -8,6 +8,7 @@ from gpu_worker.model.loader import load_model
 from gpu_worker.offload import HostTier
 from gpu_worker.server import Worker, WorkerServiceConfig
 from kv_store.client import KVStoreClient
+from kv_store.segments import sweep
 from kv_store.view import PoolView
 from pulseinfer.flags import parse_config
 from pulseinfer.proc import run_service, setup_logging, stop_on_signals
@@ -17,6 +18,8 @@ def main() -> None:
     config = parse_config(WorkerServiceConfig, "python -m gpu_worker", "PulseInfer decode worker")
     log = setup_logging(f"gpu_worker{config.worker_id}")
     stop = stop_on_signals()
+    for name in sweep():  # e.g. the cache segment of this worker's earlier process, killed -9
+        log.warning("removed %s, left behind by a process that was killed", name)
     context = zmq.Context()
     try:
         kv_store = KVStoreClient(context, config.kv_store, config.kv_store_timeout_s)
@@ -32,7 +35,7 @@ def main() -> None:
             return view
 
         engine = kv_store.open_recall_engine if config.engine_recalls else None
-        Worker(config, loaded, HostTier(attach(), kv_store, attach, engine)).serve(context, stop)
+        Worker(config, loaded, HostTier(attach(), kv_store, attach, engine, kv_store.lost)).serve(context, stop)
     finally:
         context.destroy(linger=0)
 

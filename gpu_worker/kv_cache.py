@@ -10,7 +10,8 @@ import torch
 from gpu_worker.model.config import ModelConfig
 from kv_store.client import SegmentHeader
 from kv_store.cuda_ipc import ExportedCache
-from kv_store.engine import CACHE_SEGMENT_PREFIX, SHM_DIR, CacheShape, map_segment
+from kv_store.engine import CacheShape
+from kv_store.segments import Segment, cache_name
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 
@@ -40,12 +41,11 @@ class PagedKVCache:
     def __init__(self, config: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, shared: bool = False):
         self.spec = spec
         self.shape = CacheShape(config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim, spec.block_size)
-        self.segment = f"{CACHE_SEGMENT_PREFIX}{os.getpid()}" if shared and device.type == "cpu" else None
+        self.segment: Segment | None = None
         self.completion: SegmentHeader | ExportedCache | None = None  # how a recall by the engine is known to have landed
-        if self.segment is not None:
-            (SHM_DIR / self.segment).unlink(missing_ok=True)  # left by an earlier process of this pid (a restarted container)
-            self._map = map_segment(self.segment, self.shape.segment_bytes(dtype), create=True)
-            header, self.k, self.v = self.shape.tensors(self._map, dtype)
+        if shared and device.type == "cpu":
+            self.segment = Segment(cache_name(os.getpid()), self.shape.segment_bytes(dtype))
+            header, self.k, self.v = self.shape.tensors(self.segment.map, dtype)
             self.completion = SegmentHeader(header)
             for part in (self.k, self.v):
                 part.zero_()  # commits the pages, as below
@@ -62,10 +62,10 @@ class PagedKVCache:
     def recall_target(self, worker_id: int) -> pb.OpenRecallTarget:
         """What the kv_store needs to open this (shared) cache as worker `worker_id`'s recall target."""
         if isinstance(self.completion, ExportedCache):
-            return self.shape.target(worker_id, "", cuda=self.completion.message())
+            return self.shape.target(worker_id, cuda=self.completion.message())
         if self.segment is None:
             raise ValueError("this KV cache is not shared with the kv_store")
-        return self.shape.target(worker_id, self.segment)
+        return self.shape.target(worker_id)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)
@@ -77,4 +77,4 @@ class PagedKVCache:
     def close(self) -> None:
         """Removes the shared segment's name (the memory goes with the last mapping)."""
         if self.segment is not None:
-            (SHM_DIR / self.segment).unlink(missing_ok=True)
+            self.segment.close()

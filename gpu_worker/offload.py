@@ -52,6 +52,7 @@ class HostTier:
     # opens the worker's (shared-memory) cache as a target of the kv_store's I/O engine, which then
     # does the recalls; None: the worker's own I/O thread copies from its mapping of the pool
     recall_engine: Callable[[PagedKVCache], RemoteRecall] | None = None
+    lost: Callable[[], bool] | None = None  # whether the kv_store process went away since the last call
 
 
 LAYER_AHEAD = ("auto", "on", "off")
@@ -360,6 +361,27 @@ class OffloadManager:
         with self._recall_lock:
             return RecallStats(**self._recalled)
 
+    def release_all(self) -> None:
+        """Frees every offloaded request's state and host blocks: the scheduler that planned them is gone."""
+        self.release(list(self.seqs))
+
+    def detach(self) -> None:
+        """The kv_store died: every offloaded request's KV went with its pool. Drops their states and
+        unmaps the pool now (it holds the dead pool's memory); the next offloaded request maps the
+        new one. Between steps only: a step in flight reads the mapping."""
+        self._drop_seqs()
+        if self.view is not None:
+            self.view.close()
+            self.view = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
+
+    def _drop_seqs(self) -> None:
+        for seq in self.seqs.values():
+            self.hot.remove(seq.hot_row)
+        self.seqs.clear()
+
     def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
         for seq_id in seq_ids:
             seq = self.seqs.pop(seq_id, None)
@@ -395,17 +417,16 @@ class OffloadManager:
         requests whose KV was in the old pool are dropped (and fail)."""
         args = (chunk.seq_id, chunk.block_table, chunk.start_pos, chunk.end_pos)
         try:
+            if self.view is None:  # detached from a dead kv_store
+                raise HostPoolLost("the kv_store restarted")
             self._ready(*args)
         except HostPoolLost:
-            for seq in self.seqs.values():
-                self.hot.remove(seq.hot_row)
-            self.seqs.clear()
+            self._drop_seqs()
             if self.reattach is None:
                 raise
-            view, self.view = self.view, self.reattach()
-            view.close()
-            if self.remote is not None:
-                self.remote.close()
+            self.detach()
+            self.view = self.reattach()
+            if self.recall_engine is not None:
                 self.remote = self.recall_engine(self.cache)
             if chunk.start_pos != 0:
                 raise

@@ -18,6 +18,7 @@ from gpu_worker.model.loader import LoadedModel
 from gpu_worker.offload import HostTier
 from gpu_worker.runner import ModelRunner, WorkerConfig
 from proto.pulseinfer.v1 import worker_pb2
+from pulseinfer.peer import PeerLoss
 from scheduler.wire import plan_from_proto, recall_to_proto, tokens_to_proto
 
 log = logging.getLogger("gpu_worker")
@@ -46,6 +47,7 @@ class Worker:
     def __init__(self, config: WorkerServiceConfig, loaded: LoadedModel, host: HostTier | None):
         self.config = config
         self.runner = ModelRunner(loaded, config.worker, host)
+        self.host_lost = host.lost if host is not None else None
         spec = self.runner.cache_spec
         model_config = loaded.config
         self.heartbeat = worker_pb2.Heartbeat(
@@ -82,6 +84,7 @@ class Worker:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTING_ID, step_identity(self.config.worker_id, os.getpid()))
         socket.connect(self.config.scheduler)
+        scheduler_loss = PeerLoss(socket)
         beats = threading.Thread(target=self._beat, args=(context, stop), name="heartbeat", daemon=True)
         beats.start()
         log.info(
@@ -92,6 +95,7 @@ class Worker:
         )
         try:
             while not stop.is_set():
+                self._drop_what_peers_lost(scheduler_loss)
                 if not socket.poll(POLL_MS):
                     continue
                 message = worker_pb2.SchedulerMessage.FromString(socket.recv())
@@ -101,8 +105,23 @@ class Worker:
         finally:
             stop.set()
             beats.join()
+            scheduler_loss.close()
             socket.close()
             self.runner.close()
+
+    def _drop_what_peers_lost(self, scheduler_loss: PeerLoss) -> None:
+        """Between steps: a scheduler that died took its requests with it, so their host blocks are
+        freed now (nobody will release them); a kv_store that died took every offloaded request's
+        KV, so its pool is unmapped now, not when the next offloaded request finds it gone."""
+        offload = self.runner.offload
+        if offload is None:
+            return
+        if scheduler_loss.happened() and offload.seqs:
+            log.warning("the scheduler went away: freeing the %d offloaded requests it had planned", len(offload.seqs))
+            offload.release_all()
+        if self.host_lost is not None and self.host_lost():
+            log.warning("the kv_store went away: dropping %d offloaded requests and unmapping its pool", len(offload.seqs))
+            offload.detach()
 
     def _beat(self, context: zmq.Context, stop: threading.Event) -> None:
         socket = context.socket(zmq.DEALER)

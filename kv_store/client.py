@@ -12,6 +12,7 @@ import zmq
 
 from kv_store.allocator import PoolExhausted
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
+from pulseinfer.peer import PeerLoss, watch
 
 if TYPE_CHECKING:  # the control API (probes) must not pay for importing torch
     import torch
@@ -52,6 +53,7 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self.worker_id: int | None = None  # set by register; allocations are charged to it
         self._socket = self._connect()
+        self._watch, self._loss = watch(context, address)
 
     def _connect(self) -> zmq.Socket:
         socket = self.context.socket(zmq.REQ)
@@ -102,7 +104,13 @@ class KVStoreClient:
     def stats(self) -> pb.KVStoreStats:
         return self.call(pb.KVStoreRequest(stats=pb.StatsQuery())).stats
 
+    def lost(self) -> bool:
+        """True if the kv_store process went away since the last call (its pool went with it)."""
+        return self._loss.happened()
+
     def close(self) -> None:
+        self._loss.close()
+        self._watch.close()
         self._socket.close()
 
 
@@ -146,6 +154,10 @@ class RemoteRecall:
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(io_address(control))
+        self._loss = PeerLoss(self._socket)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._loss.monitor, zmq.POLLIN)
 
     def __call__(self, layer: int, host_blocks: list[int], device_blocks: list[int], heads: list[int] | None = None) -> float:
         """Copies host blocks (all kv heads, or kv head heads[i] of each) into device blocks of layer
@@ -170,15 +182,19 @@ class RemoteRecall:
         return done.busy_s
 
     def _wait(self, sequence: int) -> pb.RecallDone:
-        """The answer to `sequence`; answers to earlier requests that timed out are dropped."""
-        while self._socket.poll(int(self.timeout_s * 1000)):
-            done = pb.RecallDone.FromString(self._socket.recv())
-            if done.sequence != sequence:
-                continue
-            return done
+        """The answer to `sequence`; answers to earlier requests that timed out are dropped. A
+        kv_store that dies fails the wait at once, not after the timeout."""
+        while ready := dict(self._poller.poll(int(self.timeout_s * 1000))):
+            if self._loss.monitor in ready and self._loss.happened():
+                raise KVStoreUnavailable(f"the kv_store went away during recall {sequence} (its I/O engine's connection closed)")
+            if self._socket in ready:
+                done = pb.RecallDone.FromString(self._socket.recv())
+                if done.sequence == sequence:
+                    return done
         raise KVStoreUnavailable(f"kv_store I/O engine did not complete recall {sequence} within {self.timeout_s:g} s")
 
     def close(self) -> None:
+        self._loss.close()
         self._socket.close()
 
 

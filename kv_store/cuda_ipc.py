@@ -103,7 +103,6 @@ class CudaTarget:
 
     def __init__(self, request: pb.OpenRecallTarget, shape: CacheShape, dtype: torch.dtype, staging_min_bytes: int):
         message = request.cuda
-        self.name = None  # no segment to remove when the worker dies: its memory goes with it
         self.shape = shape
         self.device = torch.device("cuda", message.device)
         needed = 2 * torch.Size(shape.dims).numel() * dtype.itemsize

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import mmap
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -26,13 +25,13 @@ from google.protobuf.message import DecodeError
 
 from kernels.gather_scatter import recall
 from kv_store.cuda_ipc import CudaTarget
-from kv_store.pool import SHM_DIR, PoolGeometry, unit_bytes
+from kv_store.pool import PoolGeometry, unit_bytes
+from kv_store.segments import open_segment
 from kv_store.view import cuda_host_register, register_host_range, unregister_host_ranges
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 POLL_MS = 200  # how soon a shutdown signal is noticed
 HEADER_BYTES = 4096  # int64 [0]: sequence of the last completed recall; a page, so K starts aligned
-CACHE_SEGMENT_PREFIX = "pulseinfer-cache-"  # + the worker's pid
 
 
 @dataclass(frozen=True)
@@ -43,10 +42,10 @@ class CacheShape:
     head_dim: int
     block_size: int
 
-    def target(self, worker_id: int, shm_name: str, cuda: pb.CudaCache | None = None) -> pb.OpenRecallTarget:
-        """The request that opens a cache of this shape (in segment `shm_name`, or exported from a
+    def target(self, worker_id: int, cuda: pb.CudaCache | None = None) -> pb.OpenRecallTarget:
+        """The request that opens a cache of this shape (the worker's cache segment, or exported from a
         CUDA device) as a recall target."""
-        return pb.OpenRecallTarget(worker_id=worker_id, shm_name=shm_name, cuda=cuda, **dataclasses.asdict(self))
+        return pb.OpenRecallTarget(worker_id=worker_id, cuda=cuda, **dataclasses.asdict(self))
 
     @classmethod
     def of_target(cls, request: pb.OpenRecallTarget) -> CacheShape:
@@ -67,20 +66,6 @@ class CacheShape:
         return header, kv[0], kv[1]
 
 
-def map_segment(name: str, size: int, create: bool) -> mmap.mmap:
-    """Maps /dev/shm/name; `create` makes it (exclusively; zero-filled, faulted in lazily)."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(SHM_DIR / name, flags, 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size != size:
-            raise ValueError(f"segment {name} is {os.fstat(fd).st_size} bytes, expected {size}")
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
 def int64s(values: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
 
@@ -88,10 +73,9 @@ def int64s(values: bytes) -> torch.Tensor:
 class SharedTarget:
     """A CPU worker's KV cache, mapped by the kv_store."""
 
-    def __init__(self, request: pb.OpenRecallTarget, dtype: torch.dtype):
-        self.name = request.shm_name
+    def __init__(self, request: pb.OpenRecallTarget, segment: str, dtype: torch.dtype):
         self.shape = CacheShape.of_target(request)
-        self._map = map_segment(request.shm_name, self.shape.segment_bytes(dtype), create=False)
+        self._map = open_segment(segment, self.shape.segment_bytes(dtype))
         self.header, self.k, self.v = self.shape.tensors(self._map, dtype)
 
     def copy(self, units: torch.Tensor, rows: torch.Tensor, layer: int, device_blocks: torch.Tensor, heads: torch.Tensor | None) -> None:
@@ -120,14 +104,15 @@ class RecallEngine:
         self._pinned: list[tuple[int, int]] | None = None  # the pool's CUDA registration, made for the first CUDA target
         self._lock = threading.Lock()  # targets are opened and dropped on the control thread, used on the engine's
 
-    def open(self, request: pb.OpenRecallTarget) -> None:
+    def open(self, request: pb.OpenRecallTarget, segment: str) -> None:
+        """Opens worker `request.worker_id`'s cache: exported from its CUDA device, or else in `segment`."""
         unit = unit_bytes(request.kv_heads, request.block_size, request.head_dim, self.dtype.itemsize)
         if unit != self.geometry.unit_bytes or request.num_layers != self.geometry.num_layers:
             raise ValueError(
-                f"recall target {request.shm_name}: {request.num_layers} layers of {unit}-byte units do not match the pool's "
+                f"worker {request.worker_id}'s cache: {request.num_layers} layers of {unit}-byte units do not match the pool's "
                 f"{self.geometry.num_layers} layers of {self.geometry.unit_bytes}-byte units"
             )
-        target = self._cuda_target(request) if request.HasField("cuda") else SharedTarget(request, self.dtype)
+        target = self._cuda_target(request) if request.HasField("cuda") else SharedTarget(request, segment, self.dtype)
         with self._lock:
             self._drop(request.worker_id)
             self.targets[request.worker_id] = target
@@ -142,17 +127,15 @@ class RecallEngine:
                 raise ValueError(f"{e} (is the kv_store's memlock limit unlimited?)") from e
         return CudaTarget(request, CacheShape.of_target(request), self.dtype, self.staging_min_bytes)
 
-    def drop(self, worker_id: int) -> str | None:
-        """Unmaps a worker's cache; returns its segment name."""
+    def drop(self, worker_id: int) -> None:
+        """Unmaps a worker's cache."""
         with self._lock:
-            return self._drop(worker_id)
+            self._drop(worker_id)
 
-    def _drop(self, worker_id: int) -> str | None:
+    def _drop(self, worker_id: int) -> None:
         target = self.targets.pop(worker_id, None)
-        if target is None:
-            return None
-        target.close()
-        return target.name
+        if target is not None:
+            target.close()
 
     def run(self, request: pb.RecallRequest) -> pb.RecallDone:
         started = time.perf_counter()

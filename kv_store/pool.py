@@ -10,12 +10,10 @@ import errno
 import mmap
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from gpu_worker.model.config import ModelConfig
+from kv_store.segments import Segment, pool_name
 
-SHM_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "pulseinfer-kv-"  # + the owning kv_store's pid
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module lacks the name
 PAGE = mmap.PAGESIZE
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -72,41 +70,21 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_segments() -> list[str]:
-    """Unlinks the segments of kv_store processes that died without cleaning up (kill -9).
-    A segment named after this very pid is stale too: a container restarts with the same pid."""
-    removed = []
-    for path in SHM_DIR.glob(SEGMENT_PREFIX + "*"):
-        pid = path.name[len(SEGMENT_PREFIX) :]
-        if pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
-
-
-def segment_name() -> str:
-    return f"{SEGMENT_PREFIX}{os.getpid()}"
-
-
 class SharedPool:
-    """Owns the segment: created exclusively, unlinked on close."""
+    """Owns the pool's segment (kv_store/segments.py): created exclusively and pre-faulted, unlinked on close."""
 
-    def __init__(self, name: str, geometry: PoolGeometry, populate: bool = True):
-        self.name = name
+    def __init__(self, geometry: PoolGeometry, populate: bool = True):
         self.geometry = geometry
-        self.path = SHM_DIR / name
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, geometry.total_bytes)
-            self.map = mmap.mmap(fd, geometry.total_bytes)
-            if populate:
+        self.segment = Segment(pool_name(), geometry.total_bytes)
+        self.name = self.segment.name
+        self.map = self.segment.map
+        if populate:
+            try:
                 prefault(self.map)
-        except OSError:
-            os.unlink(self.path)
-            raise
-        finally:
-            os.close(fd)
+            except OSError:
+                self.close()
+                raise
 
     def close(self) -> None:
         self.map.close()
-        self.path.unlink(missing_ok=True)
+        self.segment.close()

@@ -20,7 +20,8 @@ from kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
 from kv_store.client import io_address, pid_namespace
 from kv_store.cuda_ipc import STAGING_BYTES
 from kv_store.engine import RecallEngine
-from kv_store.pool import SHM_DIR, PoolGeometry, SharedPool, pid_alive, remove_stale_segments, segment_name
+from kv_store.pool import PoolGeometry, SharedPool, pid_alive
+from kv_store.segments import cache_name, sweep
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 log = logging.getLogger("kv_store")
@@ -96,7 +97,7 @@ class KVStore:
         if request.worker_id not in self.workers:
             return pb.KVStoreResponse(code=pb.KV_STORE_UNKNOWN_WORKER, error=f"worker {request.worker_id} is not registered")
         try:
-            self.engine.open(request)
+            self.engine.open(request, cache_name(self.workers[request.worker_id].pid))
         except (ValueError, OSError) as e:
             return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error=str(e))
         return pb.KVStoreResponse()
@@ -110,8 +111,8 @@ class KVStore:
         """Frees every block a dead (or restarted) worker's requests held."""
         worker = self.workers.pop(worker_id)
         freed = sum(self.allocator.release(owner) for owner in worker.owners)
-        if (segment := self.engine.drop(worker_id)) is not None:  # a worker killed -9 leaves its cache segment behind
-            (SHM_DIR / segment).unlink(missing_ok=True)
+        self.engine.drop(worker_id)
+        sweep()  # a worker killed -9 leaves its cache segment behind
         log.warning("worker %d (pid %d) %s: freed %d host blocks of %d requests", worker_id, worker.pid, why, freed, len(worker.owners))
 
     def reap_dead_workers(self) -> None:
@@ -142,9 +143,9 @@ class KVStore:
 
 
 def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) -> None:
-    for name in remove_stale_segments():
-        log.warning("removed %s, left behind by a kv_store that was killed", name)
-    pool = SharedPool(segment_name(), geometry, populate=config.prefault)
+    for name in sweep():
+        log.warning("removed %s, left behind by a process that was killed", name)
+    pool = SharedPool(geometry, populate=config.prefault)
     context = zmq.Context()
     socket = context.socket(zmq.REP)
     socket.setsockopt(zmq.LINGER, 0)

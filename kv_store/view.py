@@ -8,12 +8,12 @@ is what a head-wise recall moves. KV bytes go through this mapping only, never a
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Callable
 
 import torch
 
-from kv_store.pool import SHM_DIR, prefault, unit_bytes
+from kv_store.pool import prefault, unit_bytes
+from kv_store.segments import open_segment
 from proto.pulseinfer.v1 import kv_store_pb2
 
 
@@ -46,12 +46,8 @@ class PoolView:
                 f"({kv_heads} kv heads x {block_size} tokens x {head_dim} dims x {element} B x K,V): "
                 "start kv_store with this worker's model, --block-size and --kv-dtype"
             )
-        fd = os.open(SHM_DIR / layout.shm_name, os.O_RDWR)
-        try:
-            buffer = mmap.mmap(fd, layout.num_blocks * layout.num_layers * unit)
-            prefault(buffer)
-        finally:
-            os.close(fd)
+        buffer = open_segment(layout.shm_name, layout.num_blocks * layout.num_layers * unit)  # the name is checked
+        prefault(buffer)
         return cls(buffer, layout.num_blocks, layout.num_layers, kv_heads, block_size, head_dim, dtype)
 
     @classmethod

@@ -49,9 +49,8 @@ class Ping(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRecallTarget(_message.Message):
-    __slots__ = ("worker_id", "shm_name", "num_layers", "slots", "kv_heads", "head_dim", "block_size", "cuda")
+    __slots__ = ("worker_id", "num_layers", "slots", "kv_heads", "head_dim", "block_size", "cuda")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -59,14 +58,13 @@ class OpenRecallTarget(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    shm_name: str
     num_layers: int
     slots: int
     kv_heads: int
     head_dim: int
     block_size: int
     cuda: CudaCache
-    def __init__(self, worker_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., slots: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cuda: _Optional[_Union[CudaCache, _Mapping]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., num_layers: _Optional[int] = ..., slots: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cuda: _Optional[_Union[CudaCache, _Mapping]] = ...) -> None: ...
 
 class CudaCache(_message.Message):
     __slots__ = ("device", "memory_handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "sync_event", "sync_required", "ready_event", "landed_event")
