@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,11 +17,13 @@ from gpu_worker.model.loader import LoadedModel
 from gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
 from gpu_worker.sampler import sample
 from gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
+from kv_store.client import KVStoreUnavailable
 from scheduler.plan import Chunk, RecallStats, SampledToken, StepOutcome, StepPlan
 
 log = logging.getLogger("gpu_worker")
 
-Pick = Callable[[torch.Tensor, list[Chunk]], list[int]]  # (logits [S, vocab], the sampled chunks) -> a token each
+# (logits [S, vocab], the sampled chunks) -> a token each, or an error string that fails that chunk's request
+Pick = Callable[[torch.Tensor, list[Chunk]], Sequence[int | str]]
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,16 @@ class ModelRunner:
         """Runs one step. `pick` chooses each sampled chunk's token from its logits (default: the
         chunk's sampling parameters; the perplexity eval forces the text's next token)."""
         plan, failed = self._admit(plan)
+        try:
+            return self._run(plan, failed, pick)
+        except KVStoreUnavailable as e:
+            # The kv_store died mid-step and the offloaded requests' KV with its pool. The resident
+            # requests need nothing of it: they run the step again alone (their KV rewritten, the same).
+            self.offload.detach()
+            failed |= {c.seq_id: str(e) for c in plan.chunks if c.offloaded}
+            return self._run(replace(plan, chunks=tuple(c for c in plan.chunks if not c.offloaded)), failed, pick)
+
+    def _run(self, plan: StepPlan, failed: dict[str, str], pick: Pick | None) -> StepOutcome:
         if not plan.chunks:
             return StepOutcome([], failed)
         started, recalled = time.perf_counter(), self._recalled()
@@ -123,10 +135,16 @@ class ModelRunner:
             if offload is not None:
                 offload.finish()
         sampled = [c for c in plan.chunks if c.sampling is not None]
-        tokens = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
+        picked = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
+        tokens = []
+        for chunk, token in zip(sampled, picked):
+            if isinstance(token, str):  # a row that could not be sampled fails its own request, not the step
+                failed[chunk.seq_id] = token
+            else:
+                tokens.append(SampledToken(chunk.seq_id, token))
         recall = self._recalled() - recalled
         compute_s = time.perf_counter() - started - recall.io_wait_s
-        return StepOutcome([SampledToken(c.seq_id, t) for c, t in zip(sampled, tokens)], failed, recall, compute_s)
+        return StepOutcome(tokens, failed, recall, compute_s)
 
     def _recalled(self) -> RecallStats:
         return self.offload.recall if self.offload is not None else RecallStats()

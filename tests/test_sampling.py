@@ -1,9 +1,9 @@
 import torch
 
-from gpu_worker.sampler import sample
+from gpu_worker.sampler import UNSAMPLEABLE, sample
 from gpu_worker.tokenizer import TextStream
 from scheduler.plan import SamplingSpec
-from scheduler.request import SamplingParams
+from scheduler.request import FinishReason, SamplingParams
 
 
 def spec(**kw) -> SamplingSpec:
@@ -35,6 +35,94 @@ def test_top_k_restricts_support():
     logits = torch.arange(100, dtype=torch.float32)[None]
     picks = {sample(logits / 50, [spec(top_k=3, step=s)])[0] for s in range(200)}
     assert picks <= {97, 98, 99} and len(picks) > 1
+
+
+FLOAT32_DENORMAL = float(torch.tensor(1e-45, dtype=torch.float32))  # what 1e-45 becomes over gRPC
+
+
+def _logits_with_masked_tokens(rows: int = 8, vocab: int = 100) -> torch.Tensor:
+    logits = torch.randn(rows, vocab) * 5
+    logits[:, ::7] = float("-inf")  # a model may mask tokens; no temperature may turn them into NaN
+    return logits
+
+
+def test_extreme_temperatures_give_valid_tokens():
+    logits = _logits_with_masked_tokens()
+    allowed = set(range(100)) - set(range(0, 100, 7))
+    for temperature in [1e-40, FLOAT32_DENORMAL, 1e-6, 1e-5, 1e-3, 3e38, 1e300]:
+        for step in range(5):
+            tokens = sample(logits, [spec(temperature=temperature, step=step)] * 8)
+            assert all(isinstance(t, int) and t in allowed for t in tokens), (temperature, tokens)
+
+
+def test_tiny_temperature_is_greedy():
+    logits = torch.randn(8, 100)
+    greedy = logits.argmax(-1).tolist()
+    for temperature in [1e-40, FLOAT32_DENORMAL, 1e-6]:
+        assert sample(logits, [spec(temperature=temperature)] * 8) == greedy
+    assert sample(logits.bfloat16(), [spec(temperature=FLOAT32_DENORMAL)] * 8) == logits.bfloat16().argmax(-1).tolist()
+
+
+def test_huge_top_k_and_tiny_top_p_give_valid_tokens():
+    logits = _logits_with_masked_tokens()
+    for kw in [dict(top_k=100), dict(top_k=10**6), dict(top_k=2**62), dict(top_p=1e-300), dict(top_p=FLOAT32_DENORMAL)]:
+        for temperature in [FLOAT32_DENORMAL, 1e-5, 1.0, 3e38]:
+            tokens = sample(logits, [spec(temperature=temperature, **kw)] * 8)
+            assert all(isinstance(t, int) and 0 <= t < 100 for t in tokens), (kw, temperature, tokens)
+    assert sample(logits, [spec(top_p=1e-300)] * 8) == logits.argmax(-1).tolist()
+
+
+def test_unsampleable_row_fails_only_itself():
+    logits = torch.randn(4, 100)
+    specs = [spec(temperature=0.0), spec(step=1), spec(temperature=0.7, top_k=20, step=2), spec(top_p=0.9, step=3)]
+    clean = sample(logits, specs)
+    one_nan = logits[1].clone()
+    one_nan[5] = float("nan")
+    for bad_row in [torch.full((100,), float("nan")), torch.full((100,), float("-inf")), one_nan]:
+        for i in range(4):
+            batch = logits.clone()
+            batch[i] = bad_row
+            got = sample(batch, specs)
+            assert got[i] == UNSAMPLEABLE
+            assert got[:i] + got[i + 1 :] == clean[:i] + clean[i + 1 :]
+
+
+def test_denormal_temperature_beside_greedy_requests_leaves_them_unchanged(engine):
+    prompts = [engine.tokenizer.encode(p) for p in ["The capital of France is", "1, 2, 3,", "Once upon a time"]]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    tiny = SamplingParams(max_tokens=6, temperature=FLOAT32_DENORMAL, seed=3, ignore_eos=True)
+    expected = [c.token_ids for c in engine.generate(prompts, greedy)]
+    together = engine.generate(prompts, [greedy, tiny, greedy])
+    assert all(not c.error and c.finish_reason == "length" for c in together)
+    assert [c.token_ids for c in together] == expected  # the tiny temperature is greedy, its neighbours untouched
+
+
+def test_unsampleable_logits_fail_only_their_request(engine, monkeypatch):
+    prompts = [engine.tokenizer.encode(p) for p in ["The capital of France is", "1, 2, 3,", "Once upon a time"]]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = [greedy, SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True), greedy]
+    expected = engine.generate([prompts[0], prompts[2]], greedy)
+    forward = engine.runner.model.forward
+    broken: set[str] = set()
+
+    def nan_for_broken(*args, **kwargs):
+        logits = forward(*args, **kwargs).clone()  # an inference tensor: no in-place writes
+        sampled = [c.seq_id for c in engine.last_plan.chunks if c.sampling is not None]
+        for row, seq_id in enumerate(sampled):
+            if seq_id in broken:
+                logits[row] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner.model, "forward", nan_for_broken)
+    ids = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+    broken.add(ids[1])
+    done = {}
+    while len(done) < len(ids) or engine.batcher.released:
+        done.update((c.seq_id, c) for c in engine.step())
+    assert done[ids[1]].finish_reason == FinishReason.ERROR.value and done[ids[1]].error == UNSAMPLEABLE
+    assert [done[ids[0]].token_ids, done[ids[2]].token_ids] == [c.token_ids for c in expected]
+    assert all(not done[i].error for i in (ids[0], ids[2]))
+    engine.allocator.check()
 
 
 def test_sampling_params_validation():
