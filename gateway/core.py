@@ -3,6 +3,7 @@ to the scheduler, incremental detokenization with stop strings, and latency metr
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import time
@@ -42,6 +43,15 @@ class GenerationError(Exception):
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """A prompt as a client sent it: text, token ids, or chat turns ({"role", "content"})."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    chat: list[dict[str, str]] | None = None
+
+
+@dataclass(frozen=True)
 class Prepared:
     request_id: str
     prompt_ids: list[int]
@@ -75,7 +85,25 @@ class GatewayCore:
     def max_context(self) -> int:
         return self.meta.config.max_position
 
-    def prepare(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, request_id: str = "") -> Prepared:
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """Prompt ids, tokenized on a thread (the tokenizer releases the GIL) so that a long prompt
+        never stalls the event loop; raises ValueError for a prompt that cannot fit the context."""
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        if prompt.chat is not None:  # the template writes any BOS it wants
+            text, add_special = self.tokenizer.render_chat(prompt.chat), False
+        else:
+            text, add_special = prompt.text, True
+        return await asyncio.to_thread(self.tokenizer.encode, self._fitting(text), add_special)
+
+    def _fitting(self, text: str) -> str:
+        """Refuses at once a text too long to fit the context whatever its tokens (no token is
+        longer than max_token_chars), instead of tokenizing megabytes to find out."""
+        if len(text) > self.max_context * self.tokenizer.max_token_chars:
+            raise ValueError(f"the prompt ({len(text)} characters) is longer than this model's context of {self.max_context} tokens")
+        return text
+
+    def prepare(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> Prepared:
         """Checks a request against the model; raises ValueError with the reason."""
         vocab = self.meta.config.vocab_size
         if not prompt_ids:
@@ -90,7 +118,7 @@ class GatewayCore:
             )
         params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         params.validate(vocab)
-        return Prepared(request_id or uuid.uuid4().hex, prompt_ids, params)
+        return Prepared(uuid.uuid4().hex, prompt_ids, params)  # unguessable: no client can name another's request
 
     async def generate(self, request: Prepared) -> AsyncIterator[Delta | Final]:
         """Streams text deltas, then one Final. Raises GenerationError only before the first event."""

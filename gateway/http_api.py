@@ -15,6 +15,7 @@ from starlette.routing import Route
 from gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, key_matches
 from gateway.openai_api import ApiError, ParsedRequest, ResponseShape, finish_reason, parse_body, parse_chat, parse_completion
 
+MAX_REQUEST_BYTES = 2 << 20  # a prompt filling a 32k context is well under 1 MiB of JSON
 GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.NOT_FOUND: 404,
@@ -34,10 +35,11 @@ def generation_error(error: GenerationError) -> ApiError:
 
 
 class HttpApi:
-    def __init__(self, core: GatewayCore, api_key: str | None, default_max_tokens: int):
+    def __init__(self, core: GatewayCore, api_key: str | None, default_max_tokens: int, max_request_bytes: int = MAX_REQUEST_BYTES):
         self.core = core
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
+        self.max_request_bytes = max_request_bytes
 
     def app(self) -> Starlette:
         routes = [
@@ -96,8 +98,8 @@ class HttpApi:
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             self._require_key(request)
-            parsed = self._parse(parse_body(await request.body()), chat)
-            prepared = self._prepare(parsed)
+            parsed = self._parse(parse_body(await read_body(request, self.max_request_bytes)), chat)
+            prepared = await self._prepare(parsed)
             events = self.core.generate(prepared)
             first = await self._first_event(events)
         except ApiError as e:
@@ -131,11 +133,12 @@ class HttpApi:
                 code="model_not_found",
             )
         parse = parse_chat if chat else parse_completion
-        return parse(body, self.core.tokenizer, self.default_max_tokens)
+        return parse(body, self.default_max_tokens)
 
-    def _prepare(self, parsed: ParsedRequest) -> Prepared:
+    async def _prepare(self, parsed: ParsedRequest) -> Prepared:
         try:
-            return self.core.prepare(parsed.prompt_ids, parsed.params, parsed.max_tokens_given)
+            prompt_ids = await self.core.tokenize(parsed.prompt)
+            return self.core.prepare(prompt_ids, parsed.params, parsed.max_tokens_given)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
@@ -189,6 +192,24 @@ class HttpApi:
             if include_usage:
                 yield _sse_line(shape.usage_chunk(event))
         yield "data: [DONE]\n\n"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) unread when it declares more than `limit` bytes, or as soon as it
+    streams past them (a chunked body declares nothing)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    return bytes(body)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large")
 
 
 def _sse_line(body: dict) -> str:

@@ -12,8 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.core import Final
-from gpu_worker.tokenizer import Tokenizer
+from gateway.core import Final, Prompt
 from scheduler.request import MAX_STOP_STRINGS, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -36,7 +35,7 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    prompt_ids: list[int]
+    prompt: Prompt
     params: SamplingParams
     max_tokens_given: bool
     stream: bool
@@ -52,34 +51,34 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ApiError(400, f"the request body has a number out of range: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
 
 
-def parse_completion(body: dict, tokenizer: Tokenizer, default_max_tokens: int) -> ParsedRequest:
+def parse_completion(body: dict, default_max_tokens: int) -> ParsedRequest:
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError(400, "'prompt' is required", param="prompt")
-    return _parsed(body, _completion_prompt(prompt, tokenizer), default_max_tokens, "max_tokens")
+    return _parsed(body, _completion_prompt(prompt), default_max_tokens, "max_tokens")
 
 
-def parse_chat(body: dict, tokenizer: Tokenizer, default_max_tokens: int) -> ParsedRequest:
+def parse_chat(body: dict, default_max_tokens: int) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array of messages", param="messages")
     turns = [_chat_message(m, i) for i, m in enumerate(messages)]
     if _get(body, "logprobs", bool, False) or body.get("top_logprobs") is not None:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
-    try:
-        prompt_ids = tokenizer.encode_chat(turns)
-    except ValueError as e:  # the template's raise_exception, e.g. roles out of order
-        raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _parsed(body, prompt_ids, default_max_tokens, key)
+    return _parsed(body, Prompt(chat=turns), default_max_tokens, key)
 
 
-def _parsed(body: dict, prompt_ids: list[int], default_max_tokens: int, max_tokens_key: str) -> ParsedRequest:
+def _parsed(body: dict, prompt: Prompt, default_max_tokens: int, max_tokens_key: str) -> ParsedRequest:
     for name, neutral in NEUTRAL_FIELDS.items():
         if body.get(name, neutral) not in (neutral, None):
             raise ApiError(400, f"'{name}' is not supported (only {json.dumps(neutral)})", param=name)
@@ -105,7 +104,7 @@ def _parsed(body: dict, prompt_ids: list[int], default_max_tokens: int, max_toke
     if options is not None and (not isinstance(options, dict) or not stream):
         raise ApiError(400, "'stream_options' must be an object and needs 'stream': true", param="stream_options")
     include_usage = _get(options or {}, "include_usage", bool, False)
-    return ParsedRequest(prompt_ids, params, max_tokens is not None, stream, include_usage)
+    return ParsedRequest(prompt, params, max_tokens is not None, stream, include_usage)
 
 
 def _get(body: dict, name: str, kind: type, default: Any) -> Any:
@@ -136,16 +135,25 @@ def _stop(value: Any) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops) or len(stops) > MAX_STOP_STRINGS:
         raise ApiError(400, f"'stop' must be a non-empty string or an array of at most {MAX_STOP_STRINGS} of them", param="stop")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
-def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
+def _text(value: str, param: str) -> str:
+    """JSON may escape a lone surrogate (\\ud800), which no UTF-8 text holds: neither the tokenizer nor protobuf takes it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"'{param}' is not valid Unicode text (character {e.start}: a lone surrogate)", param=param) from None
+    return value
+
+
+def _completion_prompt(prompt: Any) -> Prompt:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return Prompt(text=_text(prompt, "prompt"))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
+        return Prompt(token_ids=prompt)
     raise ApiError(400, "'prompt' must be a string, an array of token ids, or a batch of one of those", param="prompt")
 
 
@@ -161,11 +169,11 @@ def _chat_message(message: Any, index: int) -> dict[str, str]:
 
 def _chat_content(content: Any, param: str) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, param)
     if isinstance(content, list) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
     ):
-        return "".join(p["text"] for p in content)
+        return _text("".join(p["text"] for p in content), param)
     raise ApiError(400, f"{param} must be a string or an array of text parts", param=param)
 
 

@@ -5,6 +5,7 @@ Kept free of torch so the gateway can tokenize without loading the model stack.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,15 @@ class Tokenizer:
     def eos_id(self) -> int | None:
         return self.special.eos_id
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text: a text of n characters has at least n / this many tokens."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized on a thread
+        # leaves the gateway's event loop running
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special and self.special.add_bos and self.special.bos_id is not None:
             ids = [self.special.bos_id, *ids]
         return ids

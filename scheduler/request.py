@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
-import math
 import random
 from dataclasses import dataclass, field
 
 from scheduler.plan import SamplingSpec
 
 MAX_STOP_STRINGS = 16
+UINT32_MAX = 2**32 - 1  # max_tokens, top_k and token ids travel as proto uint32
+FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p travel as proto float
 
 
 class FinishReason(str, enum.Enum):
@@ -32,14 +33,14 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= UINT32_MAX:
+            raise ValueError(f"max_tokens must be an integer in [1, {UINT32_MAX}], got {self.max_tokens!r}")
+        if not 0 <= self.temperature <= FLOAT32_MAX:  # also refuses NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 <= self.top_k <= vocab_size:
+            raise ValueError(f"top_k must be in [0, {vocab_size}] (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):

@@ -16,13 +16,14 @@ import zmq.asyncio
 from google.protobuf.message import DecodeError
 
 from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2, worker_pb2
-from pulseinfer.grpc_common import add_health_and_reflection, set_serving
+from pulseinfer import grpc_common
+from pulseinfer.grpc_common import add_health_and_reflection, add_servicer, set_serving
 from scheduler.batcher import QueueFull, RequestTooLarge
 from scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
 
 log = logging.getLogger("scheduler")
 
-SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Scheduler"]
 SUBMIT_ERRORS = {
     NoWorkers: grpc.StatusCode.UNAVAILABLE,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -149,13 +150,13 @@ async def serve(config: SchedulerConfig) -> None:
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     router.bind(config.workers_bind)
     service = SchedulerService(SchedulerCore(config), router, KVStoreMonitor(context, config.kv_store))
-    server = grpc.aio.server()
-    generate_pb2_grpc.add_SchedulerServicer_to_server(service, server)
-    health = add_health_and_reflection(server, [SERVICE])
+    server = grpc_common.server()
+    add_servicer(server, service, SERVICE)
+    health = add_health_and_reflection(server, [SERVICE.full_name])
     if server.add_insecure_port(config.grpc_bind) == 0:
         raise RuntimeError(f"cannot listen on {config.grpc_bind}")
     await server.start()
-    await set_serving(health, [SERVICE], True)
+    await set_serving(health, [SERVICE.full_name], True)
     log.info("scheduler: gRPC on %s, workers on %s", config.grpc_bind, config.workers_bind)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
