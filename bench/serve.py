@@ -3,8 +3,10 @@ prompts of random length cut from real prose, Poisson arrivals, a cap on request
 streamed completions; TTFT, TPOT, ITL and end-to-end latency (mean, p50, p99), request and
 token throughput.
 
-    pulseinfer bench serve [--base-url http://127.0.0.1:8000] [--num-prompts 32] [--input-len 1024]
+    pulseinfer bench serve [--base-url http://127.0.0.1:8000] [--api-key-file PATH] [--num-prompts 32] [--input-len 1024]
         [--range-ratio 0.5] [--output-len 64] [--request-rate 2] [--max-concurrency 8] [--json OUT]
+
+The API key, when the gateway requires one: the content of --api-key-file, else $PULSEINFER_API_KEY.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pulseinfer.api_key import resolve_api_key
+
 
 @dataclass(frozen=True)
 class ServeBenchConfig:
     base_url: str = "http://127.0.0.1:8000"
-    api_key: str = ""  # sent as a bearer token when the gateway requires one
+    api_key_file: str | None = None  # its content is sent as a bearer token; default: $PULSEINFER_API_KEY
     model: str = ""  # default: the first model the server lists
     num_prompts: int = 32
     input_len: int = 1024  # longest prompt, in tokens
@@ -66,11 +70,11 @@ def sample_prompts(config: ServeBenchConfig) -> list[list[int]]:
     return [ids[(start := rng.randrange(len(ids) - n)) : start + n] for n in lengths]
 
 
-def _headers(api_key: str) -> dict[str, str]:
+def _headers(api_key: str | None) -> dict[str, str]:
     return {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
 
-def _request(config: ServeBenchConfig, model: str, prompt: list[int]) -> RequestResult:
+def _request(config: ServeBenchConfig, headers: dict[str, str], model: str, prompt: list[int]) -> RequestResult:
     result = RequestResult(prompt_tokens=len(prompt))
     body = {
         "model": model,
@@ -85,7 +89,7 @@ def _request(config: ServeBenchConfig, model: str, prompt: list[int]) -> Request
     connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=3600)
     started = last = time.perf_counter()
     try:
-        connection.request("POST", "/v1/completions", json.dumps(body), _headers(config.api_key))
+        connection.request("POST", "/v1/completions", json.dumps(body), headers)
         response = connection.getresponse()
         if response.status != 200:
             result.error = f"HTTP {response.status}: {response.read().decode(errors='replace')[:200]}"
@@ -114,11 +118,11 @@ def _request(config: ServeBenchConfig, model: str, prompt: list[int]) -> Request
     return result
 
 
-def _served_model(config: ServeBenchConfig) -> str:
+def _served_model(config: ServeBenchConfig, headers: dict[str, str]) -> str:
     parts = urlsplit(config.base_url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=30)
     try:
-        connection.request("GET", "/v1/models", headers=_headers(config.api_key))
+        connection.request("GET", "/v1/models", headers=headers)
         return json.loads(connection.getresponse().read())["data"][0]["id"]
     except (OSError, KeyError, IndexError, ValueError) as e:
         raise RuntimeError(f"cannot list the models of {config.base_url}: {e}") from e
@@ -126,13 +130,13 @@ def _served_model(config: ServeBenchConfig) -> str:
         connection.close()
 
 
-async def _drive(config: ServeBenchConfig, model: str, prompts: list[list[int]]) -> list[RequestResult]:
+async def _drive(config: ServeBenchConfig, headers: dict[str, str], model: str, prompts: list[list[int]]) -> list[RequestResult]:
     rng = random.Random(config.seed + 1)
     gate = asyncio.Semaphore(config.max_concurrency)
 
     async def one(prompt: list[int]) -> RequestResult:
         async with gate:
-            return await asyncio.to_thread(_request, config, model, prompt)
+            return await asyncio.to_thread(_request, config, headers, model, prompt)
 
     tasks = []
     for prompt in prompts:
@@ -155,10 +159,11 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 def run(config: ServeBenchConfig) -> dict:
     config.check()
-    model = config.model or _served_model(config)
+    headers = _headers(resolve_api_key(config.api_key_file))
+    model = config.model or _served_model(config, headers)
     prompts = sample_prompts(config)
     started = time.perf_counter()
-    results = asyncio.run(_drive(config, model, prompts))
+    results = asyncio.run(_drive(config, headers, model, prompts))
     duration = time.perf_counter() - started
     done = [r for r in results if not r.error]
     return {

@@ -1,4 +1,6 @@
-"""`python -m gateway --scheduler HOST:PORT [--http-port 8000] [--grpc-port 50051] [--api-key K] [--model PATH]`"""
+"""`python -m gateway --scheduler HOST:PORT [--http-port 8000] [--grpc-port 50051] [--api-key-file PATH] [--model PATH]`
+
+The API key: the content of --api-key-file, else $PULSEINFER_API_KEY (never a flag's value)."""
 
 from __future__ import annotations
 

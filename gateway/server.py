@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import grpc
@@ -11,14 +10,15 @@ import uvicorn
 
 from gateway.core import GatewayCore
 from gateway.grpc_api import SERVICE, GenerationService
-from gateway.http_api import HttpApi
+from gateway.http_api import MAX_REQUEST_BYTES, HttpApi
 from gateway.metrics import GatewayMetrics
 from gpu_worker.model.loader import load_model_meta
 from proto.pulseinfer.v1 import generate_pb2_grpc
-from pulseinfer.grpc_common import add_health_and_reflection, set_serving
+from pulseinfer import grpc_common
+from pulseinfer.api_key import resolve_api_key
+from pulseinfer.grpc_common import add_health_and_reflection, add_servicer, set_serving
 
 log = logging.getLogger("gateway")
-API_KEY_ENV = "PULSEINFER_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -29,30 +29,32 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
-    api_key: str | None = None  # default: $PULSEINFER_API_KEY; unset: no key needed
+    api_key_file: str | None = None  # the API key is this file's content; default: $PULSEINFER_API_KEY; neither: no key needed
     default_max_tokens: int = 256  # when a request leaves max_tokens out (capped by the context)
+    max_request_bytes: int = MAX_REQUEST_BYTES  # larger HTTP bodies get 413 before they are read
 
     def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get(API_KEY_ENV) or None
+        """Never a flag's value: a command line is visible to every local user (`ps`)."""
+        return resolve_api_key(self.api_key_file)
 
 
 async def serve(config: GatewayConfig) -> None:
+    api_key = config.resolved_api_key()  # once, first: a bad --api-key-file fails before anything starts
     meta = load_model_meta(config.model)
     model_id = config.served_model_name or meta.source.name.split(".")[0]
     channel = grpc.aio.insecure_channel(config.scheduler)
     core = GatewayCore(meta, model_id, generate_pb2_grpc.SchedulerStub(channel), GatewayMetrics())
-    api_key = config.resolved_api_key()
 
-    server = grpc.aio.server()
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(core, api_key, config.default_max_tokens), server)
-    health = add_health_and_reflection(server, [SERVICE])
+    server = grpc_common.server()
+    add_servicer(server, GenerationService(core, api_key, config.default_max_tokens), SERVICE)
+    health = add_health_and_reflection(server, [SERVICE.full_name])
     grpc_address = f"{config.host}:{config.grpc_port}"
     if server.add_insecure_port(grpc_address) == 0:
         raise RuntimeError(f"cannot listen on {grpc_address}")
     await server.start()
-    await set_serving(health, [SERVICE], True)
+    await set_serving(health, [SERVICE.full_name], True)
 
-    app = HttpApi(core, api_key, config.default_max_tokens).app()
+    app = HttpApi(core, api_key, config.default_max_tokens, config.max_request_bytes).app()
     http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, loop="none", log_level="warning", access_log=False))
     log.info(
         "gateway: model %s, HTTP http://%s:%d, gRPC %s, scheduler %s",

@@ -98,6 +98,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _bench_parser(sub) -> None:
     from bench.decode import DecodeBenchConfig
     from bench.serve import ServeBenchConfig
+    from bench.soak import SoakConfig
 
     p = sub.add_parser("bench", help="benchmarks on the real model")
     kinds = p.add_subparsers(dest="kind", required=True)
@@ -110,6 +111,10 @@ def _bench_parser(sub) -> None:
     add_flags(serve, ServeBenchConfig)
     serve.add_argument("--json", type=Path, help="write the results here")
     serve.set_defaults(handler=_bench_serve)
+    soak = kinds.add_parser("soak", help="a long mix of normal, hostile and abandoned requests; the server must stay right and end idle")
+    add_flags(soak, SoakConfig)
+    soak.add_argument("--json", type=Path, help="write the report here")
+    soak.set_defaults(handler=_bench_soak)
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
@@ -122,6 +127,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from bench.serve import ServeBenchConfig, main
 
     return main(from_flags(ServeBenchConfig, args), args.json)
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from bench.soak import SoakConfig, main
+
+    return main(from_flags(SoakConfig, args), args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:

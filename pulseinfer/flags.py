@@ -10,6 +10,20 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# Flags that took a secret on the command line, which every local user can read (`ps`), by the
+# field that replaced them: refused with a message that does not echo the value (argparse would
+# otherwise take `--api-key K` as an abbreviation of `--api-key-file K`).
+REMOVED_SECRET_FLAGS = {"api_key_file": ("--api-key", "put the key in a file (--api-key-file PATH) or in $PULSEINFER_API_KEY")}
+
+
+class _RefuseSecretFlag(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, instead: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is not accepted: a command line is visible to every local user; {self.instead}")
+
 
 def _plain_type(hint: Any) -> type:
     """int | None -> int; bool/int/float/str pass through."""
@@ -39,6 +53,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
             parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=default)
         else:
             parser.add_argument(_flag(field.name), type=kind, default=default, help=f"(default: {default})")
+        if field.name in REMOVED_SECRET_FLAGS:
+            removed, instead = REMOVED_SECRET_FLAGS[field.name]
+            parser.add_argument(removed, action=_RefuseSecretFlag, instead=instead, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def parse_config(cls: type[T], prog: str, description: str, argv: list[str] | None = None) -> T:

@@ -3,7 +3,9 @@
 Starts kv_store, scheduler, N workers and the gateway in that order, each waiting for the
 one before to be ready; restarts a child that dies; on SIGINT/SIGTERM stops them all. Every
 child gets PR_SET_PDEATHSIG, so none outlives the launcher even if it is killed with -9.
-Internal channels are ipc:// and unix:// sockets in a private run directory.
+Internal channels are ipc:// and unix:// sockets in a private run directory. The API key
+(--api-key-file, else $PULSEINFER_API_KEY) reaches the gateway in its environment, never on
+a command line, and no other child gets it.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from gateway.server import GatewayConfig
 from gpu_worker.runner import WorkerConfig
 from gpu_worker.server import WorkerServiceConfig
 from gpu_worker.sparse import check_mode
+from kv_store.segments import hold, remove_unheld, sweep
 from kv_store.server import KVStoreConfig
 from pulseinfer import probe
+from pulseinfer.api_key import API_KEY_ENV, resolve_api_key
 from pulseinfer.flags import to_flags
-from pulseinfer.proc import die_with_parent, setup_logging
+from pulseinfer.proc import PARENT_ENV, setup_logging
 from scheduler.batcher import BatcherConfig
 from scheduler.core import SchedulerConfig
 
@@ -35,6 +39,7 @@ log = logging.getLogger("launcher")
 RESTART_LIMIT = 5  # restarts of one child within RESTART_WINDOW_S before the launcher gives up
 RESTART_WINDOW_S = 60.0
 STOP_GRACE_S = 10.0
+RUN_DIR_PREFIX = "pulseinfer-run-"
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
-    api_key: str | None = None  # default: $PULSEINFER_API_KEY
+    api_key_file: str | None = None  # the API key is this file's content; default: $PULSEINFER_API_KEY
     host_kv_tokens: int = KVStoreConfig.host_kv_tokens
     worker_timeout_s: float = SchedulerConfig.worker_timeout_s
     kv_store_timeout_s: float = WorkerServiceConfig.kv_store_timeout_s  # a worker's wait for a kv_store answer
@@ -57,15 +62,18 @@ class ServeConfig:
 
 
 class Child:
-    def __init__(self, name: str, module: str, argv: list[str]):
+    def __init__(self, name: str, module: str, argv: list[str], env: dict[str, str] | None = None):
         self.name = name
         self.argv = [sys.executable, "-m", module, *argv]
+        self.env = env or {}  # on top of the launcher's environment, less the API key: secrets go here, never in argv
         self.process: subprocess.Popen | None = None
         self.restarts: list[float] = []
 
+    def environment(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | self.env | {PARENT_ENV: str(os.getpid())}
+
     def start(self) -> None:
-        parent = os.getpid()
-        self.process = subprocess.Popen(self.argv, preexec_fn=lambda: die_with_parent(parent))
+        self.process = subprocess.Popen(self.argv, env=self.environment())  # no preexec_fn: see proc.die_with_parent
 
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -117,7 +125,7 @@ def start_kv_store(address: str, host_kv_tokens: int, *flags: str, timeout_s: fl
 
 
 class Cluster:
-    def __init__(self, config: ServeConfig, run_dir: Path):
+    def __init__(self, config: ServeConfig, run_dir: Path, api_key: str | None = None):
         self.config = config
         kv = f"ipc://{run_dir}/kv_store"
         workers = f"ipc://{run_dir}/workers"
@@ -139,7 +147,6 @@ class Cluster:
             host=config.host,
             http_port=config.http_port,
             grpc_port=config.grpc_port,
-            api_key=config.api_key,
         )
         self.kv_store = Child("kv_store", "kv_store", to_flags(kv_config))
         self.scheduler = Child("scheduler", "scheduler", to_flags(sched_config))
@@ -160,7 +167,7 @@ class Cluster:
             )
             for i in range(config.workers)
         ]
-        self.gateway = Child("gateway", "gateway", to_flags(gateway_config))
+        self.gateway = Child("gateway", "gateway", to_flags(gateway_config), env={API_KEY_ENV: api_key} if api_key else None)
 
     @property
     def children(self) -> list[Child]:
@@ -209,9 +216,10 @@ def serve(config: ServeConfig) -> int:
     if config.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {config.workers}")
     config.worker.torch_device()  # fail here, not in N workers, when --device cuda has no GPU
+    api_key = resolve_api_key(config.api_key_file)  # once: a bad --api-key-file fails before any child starts
     setup_logging("launcher")
-    run_dir = Path(tempfile.mkdtemp(prefix="pulseinfer-"))
-    cluster = Cluster(config, run_dir)
+    run_dir, held = _new_run_dir()
+    cluster = Cluster(config, run_dir, api_key)
     previous = {s: signal.signal(s, _raise_exit) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cluster.start()
@@ -226,9 +234,26 @@ def serve(config: ServeConfig) -> int:
     finally:
         cluster.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
+        os.close(held)
+        for name in sweep():  # what a child killed on the way out (after the grace period) left
+            log.warning("removed %s, left behind by a child that was killed", name)
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
+
+
+def _new_run_dir() -> tuple[Path, int]:
+    """A private run directory for the internal sockets, held (kv_store/segments.py `hold`) while the
+    launcher lives. Run directories and segments of launchers that died (kill -9) are removed first."""
+    for stale in Path(tempfile.gettempdir()).glob(RUN_DIR_PREFIX + "*"):
+        remove_unheld(stale, lambda path: shutil.rmtree(path, ignore_errors=True))
+    sweep()
+    while True:
+        run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
+        fd = os.open(run_dir, os.O_RDONLY)
+        if hold(fd):
+            return run_dir, fd
+        os.close(fd)
 
 
 def _raise_exit(signum: int, _frame) -> None:

@@ -1,9 +1,11 @@
 """Readiness probes, used by `pulseinfer serve` and as docker-compose healthchecks:
 
     python -m pulseinfer.probe http http://127.0.0.1:8000/health
-    python -m pulseinfer.probe grpc 127.0.0.1:50052          # grpc.health.v1, overall status
-    python -m pulseinfer.probe kv_store tcp://127.0.0.1:5560
-    python -m pulseinfer.probe workers 127.0.0.1:50052 --min 1 [--worker-id 0]
+    python -m pulseinfer.probe grpc unix:///run/pulseinfer/scheduler.sock   # grpc.health.v1, overall status
+    python -m pulseinfer.probe kv_store ipc:///run/pulseinfer/kv_store
+    python -m pulseinfer.probe workers unix:///run/pulseinfer/scheduler.sock --min 1 [--worker-id 0]
+
+gRPC addresses are HOST:PORT or unix://PATH; kv_store addresses ipc://PATH or tcp://HOST:PORT.
 
 Exit code 0 when ready, 1 otherwise (with the reason on stderr).
 """

@@ -10,6 +10,7 @@ import sys
 import threading
 
 PR_SET_PDEATHSIG = 1
+PARENT_ENV = "PULSEINFER_PARENT_PID"  # set by the launcher in each child's environment
 
 
 def setup_logging(service: str) -> logging.Logger:
@@ -32,16 +33,23 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Run in a child before exec: the kernel sends SIGTERM when the launcher dies, even by kill -9."""
+def die_with_parent() -> None:
+    """In a child of the launcher ($PULSEINFER_PARENT_PID): the kernel sends SIGTERM when the
+    launcher dies, even by kill -9. Set first thing after exec, not in a preexec_fn: that makes
+    subprocess fork() for real, and a fork while the launcher's gRPC probe shuts its core down
+    deadlocked in gRPC's fork handler (the launcher hung starting the gateway)."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None:
+        return
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
         os._exit(1)
 
 
 def run_service(service: str, main) -> None:
     """Entry point wrapper: a configuration or startup error is one line and exit code 2."""
+    die_with_parent()
     try:
         main()
     except (ValueError, RuntimeError, OSError) as e:

@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pulseinfer.api_key import API_KEY_ENV
+
 READY_LINE = "PulseInfer is serving"
 
 
@@ -37,11 +39,12 @@ class ServingCluster:
             str(self.grpc_port),
             *flags,
         ]
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # the key in the environment, not in argv (`ps`)
         if api_key:
-            argv += ["--api-key", api_key]
+            env[API_KEY_ENV] = api_key
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pulseinfer-serve-{self.http_port}.log"
         self.log = self.log_path.open("w+")
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self._wait_ready(startup_timeout_s)
 
     @property

@@ -1,5 +1,6 @@
-"""docker-compose.yml: valid against the compose-spec schema (no engine runs here), and every
-service command parses with that service's own flags."""
+"""docker-compose.yml: valid against the compose-spec schema (no engine runs here), every
+service command parses with that service's own flags, the internal services are reachable
+only through unix sockets in a shared volume, and the API key is a secret of the gateway's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import yaml
 
 from gateway.server import GatewayConfig
 from gpu_worker.server import WorkerServiceConfig
+from kv_store.client import io_address
 from kv_store.server import KVStoreConfig
 from pulseinfer.flags import parse_config
 from scheduler.core import SchedulerConfig
@@ -19,6 +21,8 @@ from scheduler.core import SchedulerConfig
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 SERVICE_CONFIGS = {"kv_store": KVStoreConfig, "scheduler": SchedulerConfig, "gpu_worker": WorkerServiceConfig, "gateway": GatewayConfig}
+INTERNAL = ("kv_store", "scheduler", "gpu_worker")
+RUN_DIR = "/run/pulseinfer"
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +54,49 @@ def test_each_command_parses_with_its_service_flags(compose):
     for name, service in compose["services"].items():
         config = parse_config(SERVICE_CONFIGS[name], name, "", service["command"][3:])  # an unknown flag exits non-zero
         assert isinstance(config, SERVICE_CONFIGS[name])
+
+
+def _configs(compose: dict) -> dict:
+    return {name: parse_config(SERVICE_CONFIGS[name], name, "", service["command"][3:]) for name, service in compose["services"].items()}
+
+
+def test_internal_services_have_no_network_and_talk_over_unix_sockets_in_a_shared_volume(compose):
+    services = compose["services"]
+    assert "run" in compose["volumes"]
+    for name, service in services.items():
+        assert f"run:{RUN_DIR}" in service["volumes"], name
+    for name in INTERNAL:
+        service = services[name]
+        assert service["network_mode"] == "none", name
+        assert not {"ports", "expose", "networks"} & set(service), name
+        words = [*service["command"], *service["healthcheck"]["test"]]
+        assert not [w for w in words if "0.0.0.0" in w or "tcp://" in w or "127.0.0.1" in w or ":50" in w], name
+    assert [name for name, service in services.items() if "ports" in service or "expose" in service] == ["gateway"]
+    configs = _configs(compose)
+    kv, scheduler, worker, gateway = (configs[name] for name in ("kv_store", "scheduler", "gpu_worker", "gateway"))
+    assert kv.bind == scheduler.kv_store == worker.kv_store == f"ipc://{RUN_DIR}/kv_store"
+    assert io_address(kv.bind) == f"ipc://{RUN_DIR}/kv_store.io"  # the kv_store's I/O engine, in the same volume
+    assert scheduler.workers_bind == worker.scheduler == f"ipc://{RUN_DIR}/workers"
+    assert scheduler.grpc_bind == gateway.scheduler == f"unix://{RUN_DIR}/scheduler.sock"
+
+
+def test_healthchecks_probe_the_addresses_the_services_listen_on(compose):
+    configs = _configs(compose)
+    probes = {name: service["healthcheck"]["test"] for name, service in compose["services"].items()}
+    for test in probes.values():
+        assert test[:4] == ["CMD", "python", "-m", "pulseinfer.probe"]
+    assert probes["kv_store"][4:] == ["kv_store", configs["kv_store"].bind]
+    assert probes["scheduler"][4:] == ["grpc", configs["scheduler"].grpc_bind]
+    assert probes["gpu_worker"][4:] == ["workers", configs["scheduler"].grpc_bind, "--worker-id", str(configs["gpu_worker"].worker_id)]
+    assert probes["gateway"][4:] == ["http", f"http://127.0.0.1:{configs['gateway'].http_port}/health"]
+
+
+def test_the_api_key_is_a_secret_file_of_the_gateway_alone(compose):
+    services = compose["services"]
+    (secret,) = services["gateway"]["secrets"]
+    assert compose["secrets"][secret]["file"]
+    assert _configs(compose)["gateway"].api_key_file == f"/run/secrets/{secret}"
+    assert [name for name, service in services.items() if "secrets" in service] == ["gateway"]
+    for name, service in services.items():
+        assert "PULSEINFER_API_KEY" not in service.get("environment", {}), name
+        assert not [w for w in service["command"] if w.startswith("--api-key") and w != "--api-key-file"], name

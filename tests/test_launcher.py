@@ -1,4 +1,5 @@
-"""`pulseinfer serve` process lifecycle: startup errors, and no child outliving the launcher."""
+"""`pulseinfer serve` process lifecycle: startup errors, no child outliving the launcher, and
+the API key kept off every command line."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from gateway.server import GatewayConfig
+from pulseinfer import cli
+from pulseinfer.api_key import API_KEY_ENV, resolve_api_key
+from pulseinfer.flags import parse_config
+from pulseinfer.launcher import Cluster, ServeConfig
 from pulseinfer.serving_cluster import ServingCluster
 
 
@@ -49,3 +57,49 @@ def test_startup_error_is_one_clear_line_and_leaves_nothing_running(tmp_path):
     assert "model not found" in result.stderr and "pulseinfer: error: kv_store exited with code 2 during startup" in result.stderr
     leftovers = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "missing.gguf"], capture_output=True, text=True).stdout
     assert not leftovers.strip()
+
+
+def test_api_key_comes_from_the_file_else_the_environment(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("  file-key\n")
+    assert resolve_api_key(str(key_file), {API_KEY_ENV: "env-key"}) == "file-key"  # the file first, stripped
+    assert resolve_api_key(None, {API_KEY_ENV: "env-key"}) == "env-key"
+    assert resolve_api_key(None, {API_KEY_ENV: ""}) is None and resolve_api_key(None, {}) is None  # no key needed
+    (tmp_path / "blank").write_text(" \n")
+    for path, message in (
+        (tmp_path / "missing", "cannot read --api-key-file"),
+        (tmp_path / "blank", "is empty"),
+        (tmp_path, "cannot read"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            resolve_api_key(str(path), {API_KEY_ENV: "env-key"})
+
+
+def test_gateway_reads_its_key_from_a_file_and_has_no_key_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "env-key")
+    key_file = tmp_path / "key"
+    key_file.write_text("file-key\n")
+    assert parse_config(GatewayConfig, "gateway", "", ["--api-key-file", str(key_file)]).resolved_api_key() == "file-key"
+    assert parse_config(GatewayConfig, "gateway", "", []).resolved_api_key() == "env-key"
+    with pytest.raises(SystemExit):
+        parse_config(GatewayConfig, "gateway", "", ["--api-key", "k"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "serve", "--api-key", "k"])
+
+
+def test_the_launcher_passes_the_key_to_the_gateway_alone_in_its_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "launcher-env-key")
+    cluster = Cluster(ServeConfig(workers=2), tmp_path, api_key="s3cret-key")
+    for child in cluster.children:
+        assert not [arg for arg in child.argv if "s3cret" in arg or "launcher-env-key" in arg], child.name
+        assert child.environment().get(API_KEY_ENV) == ("s3cret-key" if child is cluster.gateway else None), child.name
+    assert API_KEY_ENV not in Cluster(ServeConfig(), tmp_path).gateway.environment()  # no key: none inherited either
+
+
+def test_serve_rejects_a_key_flag_and_a_bad_key_file_before_starting_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit):  # not taken as an abbreviation of --api-key-file, and not echoed
+        cli.main(["serve", "--api-key", "s3cret-key"])
+    err = capsys.readouterr().err
+    assert "--api-key is not accepted" in err and "s3cret" not in err
+    assert cli.main(["serve", "--api-key-file", str(tmp_path / "missing")]) == 1
+    assert "pulseinfer: error: cannot read --api-key-file" in capsys.readouterr().err

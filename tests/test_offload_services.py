@@ -1,7 +1,8 @@
 """Offloading in the real cluster (`pulseinfer serve` as OS processes): nothing leaks in either
-tier after many random requests, aborts and disconnects; a kv_store killed with -9 fails the
-requests that used it with a clear error, comes back, and serves new ones; a recall deadline
-works through the kv_store's I/O engine."""
+tier after many random requests, aborts and disconnects; kill -9 of any process (kv_store,
+scheduler, worker, gateway) while requests run tells their clients within 5 s, harms no request
+that did not need the dead process, frees every block it held and leaves no shared-memory
+segment behind; a recall deadline works through the kv_store's I/O engine."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import os
 import pydoc_data.topics
 import random
 import signal
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -24,6 +27,7 @@ TEXT = " ".join(pydoc_data.topics.topics.values())
 FLAGS = ("--workers", "1", "--device-kv-tokens", "2048", "--sink", "16", "--recent", "64", "--budget", "128", "--layer-ahead", "on")
 UNIT_BYTES = 2 * 3 * 16 * 64 * 4  # one (block, layer) recall unit of the default model: K and V, 3 kv heads, fp32
 KV_STORE_PIDS: set[int] = set()  # every kv_store this module's cluster ran: none may leave its segment behind
+TOLD_WITHIN_S = 5.0  # a client learns that a process its request needed died within this
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,7 @@ def cluster():
     KV_STORE_PIDS.add(cluster.children()["kv_store"])
     yield cluster
     assert cluster.stop() == 0
-    left = [pid for pid in KV_STORE_PIDS if Path(f"/dev/shm/pulseinfer-kv-{pid}").exists()]
+    left = [path.name for pid in KV_STORE_PIDS for path in Path("/dev/shm").glob(f"pulseinfer-kv-{pid}-*")]
     assert left == [], left
     assert not list(Path("/dev/shm").glob("pulseinfer-cache-*"))  # nor a worker its cache segment
 
@@ -98,17 +102,44 @@ def _long_stream(client: openai.OpenAI, start: int, max_tokens: int):
     )
 
 
+def _fails_soon(events) -> BaseException:
+    """Reads a stream that must fail, and fail within TOLD_WITHIN_S; returns the error."""
+    started = time.monotonic()
+    with pytest.raises((openai.APIError, httpx.HTTPError)) as error:  # httpx's: the gateway's connection closed mid-body
+        for _ in events:
+            pass
+    assert time.monotonic() - started < TOLD_WITHIN_S, f"told after {time.monotonic() - started:.1f} s: {error.value}"
+    return error.value
+
+
+def _resident_stream(client: openai.OpenAI, max_tokens: int):
+    return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=max_tokens, temperature=0, stream=True)
+
+
+def _text(events) -> tuple[str, str | None]:
+    chunks = list(events)
+    return "".join(c.choices[0].text for c in chunks if c.choices), next(
+        (c.choices[0].finish_reason for c in reversed(chunks) if c.choices), None
+    )
+
+
 def test_kill_9_of_the_kv_store_fails_its_requests_clearly_and_it_comes_back(cluster, client):
+    alone = _text(_resident_stream(client, 48))
     before = cluster.metric("offloaded_admissions_total", worker="0")
     events = iter(_long_stream(client, 1000, 400))
     next(events)
     assert cluster.metric("worker_requests_offloaded", worker="0") == 1
+    resident = iter(_resident_stream(client, 48))  # needs no kv_store: the death must not harm it
+    first = next(resident)
     victim = cluster.children()["kv_store"]
     os.kill(victim, signal.SIGKILL)
-    with pytest.raises(openai.APIError) as error:
-        for _ in events:
-            pass
-    assert "kv_store" in str(error.value)
+    assert "kv_store" in str(_fails_soon(events))
+    rest, reason = _text(resident)
+    assert (first.choices[0].text + rest, reason) == alone
+    worker = cluster.children()["gpu_worker0"]
+    cluster.wait_for(
+        lambda: f"pulseinfer-kv-{victim}-" not in Path(f"/proc/{worker}/maps").read_text(), 5, "the worker to unmap the dead pool"
+    )
     restarted = cluster.wait_for(lambda: cluster.children().get("kv_store") not in (None, victim) and cluster.children()["kv_store"], 60)
     KV_STORE_PIDS.add(restarted)
     cluster.wait_for(lambda: cluster.request("/health")[1].get("status") == "ok", 60, "the kv_store to answer again")
@@ -125,13 +156,49 @@ def test_kill_9_of_a_worker_frees_its_host_blocks_and_the_cluster_recovers(clust
     assert cluster.metric("host_kv_blocks_used") > 0
     victim = cluster.children()["gpu_worker0"]
     os.kill(victim, signal.SIGKILL)
-    with pytest.raises(openai.APIError):
-        for _ in events:
-            pass
+    _fails_soon(events)
     cluster.wait_for(lambda: cluster.metric("host_kv_blocks_used") == 0, 30, "the dead worker's host blocks to be freed")
     cluster.wait_for(lambda: cluster.request("/health")[1].get("workers_alive") == 1, 120, "the restarted worker")
+    assert not Path(f"/dev/shm/pulseinfer-cache-{victim}").exists()  # swept by the kv_store, then by the new worker
     assert "".join(e.choices[0].text for e in _long_stream(client, 60000, 8))
     cluster.wait_for(lambda: cluster.metric("host_kv_blocks_used") == 0, 30, "the host pool to be free")
+
+
+def test_kill_9_of_the_scheduler_tells_clients_at_once_and_its_requests_host_blocks_are_freed(cluster, client):
+    events = iter(_long_stream(client, 5000, 400))
+    next(events)
+    assert cluster.metric("host_kv_blocks_used") > 0
+    victim = cluster.children()["scheduler"]
+    os.kill(victim, signal.SIGKILL)
+    assert "scheduler" in str(_fails_soon(events))
+    cluster.wait_for(lambda: cluster.request("/health")[1].get("status") == "ok", 60, "the restarted scheduler and its worker")
+    # the worker freed what the dead scheduler's requests held: nobody else would have
+    cluster.wait_for(lambda: cluster.metric("host_kv_blocks_used") == 0, 10, "the dead scheduler's requests' host blocks to be freed")
+    assert "".join(e.choices[0].text for e in _long_stream(client, 70000, 8))
+    cluster.wait_for(lambda: cluster.metric("host_kv_blocks_used") == 0, 30, "the host pool to be free")
+
+
+def test_kill_9_of_the_gateway_ends_its_streams_and_the_cluster_frees_their_requests(cluster, client):
+    events = iter(_long_stream(client, 9000, 400))
+    next(events)
+    victim = cluster.children()["gateway"]
+    os.kill(victim, signal.SIGKILL)
+    _fails_soon(events)  # a dead process writes nothing more: the connection closes mid-body, which the client reports
+    cluster.wait_for(lambda: cluster.children().get("gateway") not in (None, victim), 30, "the gateway restart")
+    cluster.wait_for(lambda: _answers(cluster), 120, "the restarted gateway")
+
+    def freed() -> bool:
+        return cluster.metric("num_requests_running") == 0 and cluster.metric("host_kv_blocks_used") == 0
+
+    cluster.wait_for(freed, 10, "the scheduler to free the requests of the dead gateway")
+    assert "".join(e.choices[0].text for e in _long_stream(client, 80000, 8))
+
+
+def _answers(cluster: ServingCluster) -> bool:
+    try:
+        return cluster.request("/health")[1].get("status") == "ok"
+    except OSError:
+        return False
 
 
 def test_deadline_truncates_through_the_kv_store_engine_and_frees_both_tiers():

@@ -16,7 +16,7 @@ import zmq
 from kv_store.client import KVStoreClient
 from kv_store.segments import SHM_DIR, Segment, cache_name, open_segment, pool_name, sweep
 from proto.pulseinfer.v1 import kv_store_pb2 as pb
-from pulseinfer.launcher import start_kv_store
+from pulseinfer.launcher import _new_run_dir, start_kv_store
 
 # Creates a segment, says its name, and waits to be killed.
 CREATOR = textwrap.dedent(
@@ -106,3 +106,24 @@ def kv_store_address(tmp_path):
     yield address
     child.process.send_signal(signal.SIGTERM)
     child.process.wait(timeout=30)
+
+
+# Makes a run directory the launcher's way, says its path, and waits to be killed.
+RUN_DIR_HOLDER = "from pulseinfer.launcher import _new_run_dir; import time; print(_new_run_dir()[0], flush=True); time.sleep(600)"
+
+
+def test_a_new_launcher_removes_the_run_directory_of_one_killed_9_and_keeps_a_live_ones():
+    dead = subprocess.Popen([sys.executable, "-c", RUN_DIR_HOLDER], stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen([sys.executable, "-c", RUN_DIR_HOLDER], stdout=subprocess.PIPE, text=True)
+    dead_dir, live_dir = Path(dead.stdout.readline().strip()), Path(live.stdout.readline().strip())
+    try:
+        dead.kill()
+        dead.wait()
+        assert dead_dir.is_dir() and live_dir.is_dir()
+        mine, held = _new_run_dir()
+        os.close(held)
+        mine.rmdir()
+        assert not dead_dir.exists() and live_dir.is_dir()
+    finally:
+        live.kill()
+        live.wait()

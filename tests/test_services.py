@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import openai
@@ -175,7 +176,10 @@ BAD_REQUESTS = [
 
 def test_bench_serve_drives_the_http_api(cluster, tmp_path):
     out = tmp_path / "serve.json"
-    flags = ("--base-url", cluster.base_url, "--api-key", API_KEY, "--num-prompts", "4", "--input-len", "64", "--output-len", "6")
+    key_file = tmp_path / "key"
+    key_file.write_text(API_KEY + "\n")
+    flags = ("--base-url", cluster.base_url, "--api-key-file", str(key_file))  # the key in a file: argv shows in `ps`
+    flags += ("--num-prompts", "4", "--input-len", "64", "--output-len", "6")
     load = ("--request-rate", "20", "--max-concurrency", "2", "--json", str(out))
     result = subprocess.run(
         [sys.executable, "-m", "pulseinfer.cli", "bench", "serve", *flags, *load],
@@ -184,6 +188,7 @@ def test_bench_serve_drives_the_http_api(cluster, tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
+    assert API_KEY not in out.read_text()
     report = json.loads(out.read_text())
     assert report["completed"] == 4 and report["failed"] == 0 and report["settings"]["model"] == MODEL
     assert report["output_token_throughput"] == pytest.approx(4 * 6 / report["duration_s"])
@@ -203,6 +208,15 @@ def test_api_key_is_required(cluster, key):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     assert cluster.request("/v1/models", key=key)[0] == 401
     assert cluster.request("/health", key=key)[0] == 200  # probes need no key
+
+
+def test_api_key_is_on_no_command_line_and_only_in_the_gateways_environment(cluster):
+    pids = {"launcher": cluster.process.pid, **cluster.children()}
+    assert {"kv_store", "scheduler", "gpu_worker0", "gpu_worker1", "gateway"} <= set(pids)
+    for name, pid in pids.items():
+        assert API_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), name  # what `ps` shows every user
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")  # readable by the same user only
+        assert (f"PULSEINFER_API_KEY={API_KEY}".encode() in environ) == (name in ("launcher", "gateway")), name
 
 
 def test_server_keeps_serving_after_bad_inputs(cluster, client):
