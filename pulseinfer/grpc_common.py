@@ -20,7 +20,7 @@ SERVER_OPTIONS = (("grpc.server.max_pending_requests", 16384), ("grpc.server.max
 
 
 def server() -> grpc.aio.Server:
-    """A gRPC server of the cluster: every service in it is registered with `add_servicer`."""
+    """A gRPC server of the cluster, with gRPC core's queue of pending calls raised (SERVER_OPTIONS)."""
     return grpc.aio.server(options=SERVER_OPTIONS)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -274,4 +275,22 @@ def test_a_recall_without_an_answer_is_a_clear_error(tmp_path):
         with pytest.raises(KVStoreUnavailable, match="did not complete recall 1"):
             remote(0, [0], [0])
     finally:
+        remote.close()
+
+
+def test_a_recall_fails_at_once_when_the_kv_store_dies_not_after_its_timeout(tmp_path):
+    control = f"ipc://{tmp_path}/kv"  # a stand-in I/O engine that takes recalls and never answers
+    silent = f"import time, zmq; s = zmq.Context().socket(zmq.ROUTER); s.bind('{control}.io'); time.sleep(600)"
+    engine = subprocess.Popen([sys.executable, "-c", silent])
+    remote = RemoteRecall(zmq.Context.instance(), control, 1, SegmentHeader(torch.zeros(1, dtype=torch.int64)), timeout_s=60)
+    try:
+        time.sleep(1.0)  # connected
+        threading.Timer(0.5, engine.kill).start()
+        started = time.monotonic()
+        with pytest.raises(KVStoreUnavailable, match="went away during recall 1"):
+            remote(0, [0], [0])
+        assert time.monotonic() - started < 5  # the 60 s timeout did not run out
+    finally:
+        engine.kill()
+        engine.wait()
         remote.close()

@@ -31,7 +31,7 @@ TOLD_WITHIN_S = 5.0  # a client learns that a process its request needed died wi
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = ServingCluster(*FLAGS, "--host-kv-tokens", "32768", "--kv-store-timeout-s", "5")
+    cluster = ServingCluster(*FLAGS, "--host-kv-tokens", "32768")  # the default 30 s kv_store timeout: a death must be known sooner
     KV_STORE_PIDS.add(cluster.children()["kv_store"])
     yield cluster
     assert cluster.stop() == 0
