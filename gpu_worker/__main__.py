@@ -18,8 +18,7 @@ def main() -> None:
     config = parse_config(WorkerServiceConfig, "python -m gpu_worker", "PulseInfer decode worker")
     log = setup_logging(f"gpu_worker{config.worker_id}")
     stop = stop_on_signals()
-    for name in sweep():  # e.g. the cache segment of this worker's earlier process, killed -9
-        log.warning("removed %s, left behind by a process that was killed", name)
+    sweep()  # e.g. the cache segment of this worker's earlier process, killed -9
     context = zmq.Context()
     try:
         kv_store = KVStoreClient(context, config.kv_store, config.kv_store_timeout_s)

@@ -14,6 +14,7 @@ exactly those; every service sweeps when it starts.
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import re
@@ -22,6 +23,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+log = logging.getLogger("kv_store.segments")
 SHM_DIR = Path("/dev/shm")
 NAME = re.compile(r"pulseinfer-(kv-[0-9]+-[0-9a-f]{8}|cache-[0-9]+)")
 
@@ -111,6 +113,9 @@ def remove_unheld(path: Path, remove: Callable[[Path], object]) -> bool:
 
 
 def sweep() -> list[str]:
-    """Unlinks every PulseInfer segment whose creator is gone (nobody holds it); returns their names."""
+    """Unlinks every PulseInfer segment whose creator is gone (nobody holds it); logs and returns their names."""
     paths = [p for p in SHM_DIR.glob("pulseinfer-*") if NAME.fullmatch(p.name)]
-    return [p.name for p in paths if remove_unheld(p, Path.unlink)]
+    removed = [p.name for p in paths if remove_unheld(p, Path.unlink)]
+    for name in removed:
+        log.warning("removed %s, left behind by a process that was killed", name)
+    return removed

@@ -143,8 +143,7 @@ class KVStore:
 
 
 def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) -> None:
-    for name in sweep():
-        log.warning("removed %s, left behind by a process that was killed", name)
+    sweep()
     pool = SharedPool(geometry, populate=config.prefault)
     context = zmq.Context()
     socket = context.socket(zmq.REP)

@@ -235,8 +235,7 @@ def serve(config: ServeConfig) -> int:
         cluster.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
         os.close(held)
-        for name in sweep():  # what a child killed on the way out (after the grace period) left
-            log.warning("removed %s, left behind by a child that was killed", name)
+        sweep()  # what a child killed on the way out (after the grace period) left
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
