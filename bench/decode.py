@@ -43,13 +43,13 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.model.loader import LoadedModel, load_model
-from gpu_worker.offload import OffloadConfig
-from gpu_worker.runner import WorkerConfig
 from pulseinfer.engine import Engine, EngineConfig
-from scheduler.batcher import BatcherConfig
-from scheduler.plan import Chunk, StepPlan
-from scheduler.request import SamplingParams
+from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
+from pulseinfer.gpu_worker.offload import OffloadConfig
+from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.scheduler.batcher import BatcherConfig
+from pulseinfer.scheduler.plan import Chunk, StepPlan
+from pulseinfer.scheduler.request import SamplingParams
 
 BASELINES = ("dense", "headwise", "pulse")
 ABLATIONS = ("pulse-no-solohead", "pulse-no-gather", "pulse-no-layer-ahead", "pulse-no-admission", "pulse-quest", "pulse-hot")

@@ -1,6 +1,6 @@
 """Dense decode throughput: PulseInfer's engine vs HF transformers `generate`, side by side.
 
-    python -m bench.dense_decode [--batches 1,8] [--contexts 512,2048,4096] [--output-tokens 32] [--json OUT]
+    python -m pulseinfer.bench.dense_decode [--batches 1,8] [--contexts 512,2048,4096] [--output-tokens 32] [--json OUT]
 
 Decode tokens/s counts only the decode phase (after prefill), for both engines.
 """
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.model.loader import default_model_path, load_model
-from gpu_worker.runner import WorkerConfig
 from pulseinfer.engine import Engine, EngineConfig
-from scheduler.batcher import BatcherConfig
-from scheduler.request import SamplingParams
+from pulseinfer.gpu_worker.model.loader import default_model_path, load_model
+from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.scheduler.batcher import BatcherConfig
+from pulseinfer.scheduler.request import SamplingParams
 
 
 def corpus_ids(tokenizer) -> list[int]:

@@ -1,7 +1,7 @@
 """Host KV pool bandwidth: write-back and read-back through a worker's mapping of the
 kv_store segment, against a plain contiguous copy of the same bytes, in one run.
 
-    python -m bench.host_pool [--blocks 2048] [--batch 256] [--json OUT]
+    python -m pulseinfer.bench.host_pool [--blocks 2048] [--batch 256] [--json OUT]
 
 Write-back: `batch` full blocks of one layer (all heads, K and V) from the device cache's
 slot-major layout into their pool units (one transposing scatter for K, one for V). Read-back: one index_select of `batch` scattered units
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from bench.timing import seconds_per_call
-from gpu_worker.model.loader import load_model_meta
-from kv_store.pool import PoolGeometry, SharedPool
-from kv_store.server import KVStore
-from kv_store.view import PoolView
+from pulseinfer.bench.timing import seconds_per_call
+from pulseinfer.gpu_worker.model.loader import load_model_meta
+from pulseinfer.kv_store.pool import PoolGeometry, SharedPool
+from pulseinfer.kv_store.server import KVStore
+from pulseinfer.kv_store.view import PoolView
 
 BLOCK = 16
 

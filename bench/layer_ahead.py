@@ -8,7 +8,7 @@ requests decoded again and again on one loaded model), for each recall path:
 With the deadline, the wait includes the step's end, where the recalls it left behind land; the
 blocks attention went without are counted.
 
-    python -m bench.layer_ahead [--requests 4] [--context 4096] [--output-tokens 32] [--budget 512]
+    python -m pulseinfer.bench.layer_ahead [--requests 4] [--context 4096] [--output-tokens 32] [--budget 512]
                                 [--deadline-ms 0] [--paths worker,engine] [--json OUT]
 """
 
@@ -26,16 +26,16 @@ from pathlib import Path
 
 import zmq
 
-from bench.decode import agreement, serve
-from gpu_worker.model.loader import LoadedModel, load_model
-from gpu_worker.offload import HostTier, OffloadConfig
-from gpu_worker.runner import WorkerConfig
-from kv_store.client import KVStoreClient
-from kv_store.view import PoolView
+from pulseinfer.bench.decode import agreement, serve
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
+from pulseinfer.gpu_worker.offload import HostTier, OffloadConfig
+from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.kv_store.client import KVStoreClient
+from pulseinfer.kv_store.view import PoolView
 from pulseinfer.launcher import start_kv_store
-from scheduler.batcher import BatcherConfig
-from scheduler.request import SamplingParams
+from pulseinfer.scheduler.batcher import BatcherConfig
+from pulseinfer.scheduler.request import SamplingParams
 
 RUNS = (  # name, --layer-ahead, --suspend, with --deadline-ms
     ("synchronous", "off", "off", False),

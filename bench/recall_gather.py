@@ -1,7 +1,7 @@
 """Recall gather bandwidth: fragmented SoloHead selections vs a contiguous copy of the same
 bytes vs head-wise selections, side by side in one run, on one core (the I/O engine's).
 
-    python -m bench.recall_gather [--requests 8] [--context 4096] [--fraction 0.1] [--json OUT]
+    python -m pulseinfer.bench.recall_gather [--requests 8] [--context 4096] [--fraction 0.1] [--json OUT]
 
 Every request selects `fraction` of its host blocks per layer, at random (the least
 contiguous case). Per decode step and for every layer:
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from bench.timing import seconds_per_call
-from gpu_worker.model.loader import load_model_meta
-from kernels.gather_scatter import recall_ref
-from kv_store.view import PoolView
+from pulseinfer.bench.timing import seconds_per_call
+from pulseinfer.gpu_worker.model.loader import load_model_meta
+from pulseinfer.kernels.gather_scatter import recall_ref
+from pulseinfer.kv_store.view import PoolView
 
 BLOCK = 16
 

@@ -6,7 +6,7 @@ attention, then the scored positions with attention masked to what an offloaded 
 (sink, the top-`budget` host blocks by the scorer, the recent window). For the worker's scorers
 the perplexity is the engine's (tests/test_selection_scorers.py checks it against `eval ppl`).
 
-    python -m bench.selection_scorers [--windows 16] [--context 4096] [--score-tokens 64]
+    python -m pulseinfer.bench.selection_scorers [--windows 16] [--context 4096] [--score-tokens 64]
         [--budget 1024] [--scorers dense,quest,lowrank,softmax,center,quest-4,oracle] [--json OUT]
 
 Scorers (one selection per request and layer, over all query heads):
@@ -34,14 +34,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.key_basis import calibration_ids, key_bases, prose
-from gpu_worker.model.llama import LlamaModel, Mask, rms_norm
-from gpu_worker.model.loader import LoadedModel, load_model
-from gpu_worker.offload import OffloadConfig, OffloadGeometry
-from gpu_worker.sparse import LowRankScorer
-from kernels.scoring import quest_scores, quest_weights
-from kernels.summary import block_minmax
-from pulseinfer.flags import add_flags, from_flags
+from pulseinfer.common.flags import add_flags, from_flags
+from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases, prose
+from pulseinfer.gpu_worker.model.llama import LlamaModel, Mask, rms_norm
+from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
+from pulseinfer.gpu_worker.offload import OffloadConfig, OffloadGeometry
+from pulseinfer.gpu_worker.sparse import LowRankScorer
+from pulseinfer.kernels.scoring import quest_scores, quest_weights
+from pulseinfer.kernels.summary import block_minmax
 
 
 @dataclass(frozen=True)

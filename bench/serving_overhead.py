@@ -6,7 +6,7 @@
 3. TTFT and TPOT of the HTTP path (gateway -> scheduler -> worker, streaming) against the
    in-process engine on the same prompts, one request at a time.
 
-    python -m bench.serving_overhead [--requests 8] [--prompt-tokens 256] [--output-tokens 32] [--json OUT]
+    python -m pulseinfer.bench.serving_overhead [--requests 8] [--prompt-tokens 256] [--output-tokens 32] [--json OUT]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import zmq
 
-from proto.pulseinfer.v1 import worker_pb2
+from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.serving_cluster import ServingCluster
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -97,7 +97,7 @@ def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 def in_process(prompt_sets: list[list[int]], output_tokens: int) -> list[tuple[float, float]]:
     from pulseinfer.engine import Engine, EngineConfig
-    from scheduler.request import SamplingParams
+    from pulseinfer.scheduler.request import SamplingParams
 
     engine = Engine(EngineConfig())
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
@@ -158,7 +158,7 @@ def main() -> None:
             f"  p50 {t['p50_us']:7.1f} us  p99 {t['p99_us']:7.1f} us"
         )
 
-    from gpu_worker.model.loader import load_model_meta
+    from pulseinfer.gpu_worker.model.loader import load_model_meta
 
     prompt_sets = prompts(load_model_meta().tokenizer, args.requests, args.prompt_tokens)
     engine = _median(in_process(prompt_sets, args.output_tokens))

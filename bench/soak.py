@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pulseinfer.api_key import resolve_api_key
+from pulseinfer.common.api_key import resolve_api_key
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time"]
 HOSTILE = [

@@ -2,7 +2,7 @@
 (SoloHead) and `headwise` at each budget, next to `dense`, in one run on one loaded model;
 with the share of dense attention mass the selections keep and the recall transfers per step.
 
-    python -m bench.sparse_accuracy [--budgets 256,512,1024,2048] [--modes pulse,headwise]
+    python -m pulseinfer.bench.sparse_accuracy [--budgets 256,512,1024,2048] [--modes pulse,headwise]
         [--lengths 1000,2000,4000,6500] [--trials 1] [--ppl-windows 4] [--json OUT]
 """
 
@@ -13,11 +13,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from gpu_worker.model.loader import load_model
-from gpu_worker.offload import OffloadConfig
-from gpu_worker.runner import WorkerConfig
 from pulseinfer.engine import EngineConfig
 from pulseinfer.evals import PasskeyConfig, PerplexityConfig, evaluate
+from pulseinfer.gpu_worker.model.loader import load_model
+from pulseinfer.gpu_worker.offload import OffloadConfig
+from pulseinfer.gpu_worker.runner import WorkerConfig
 
 
 def _row(mode: str, budget: int | None, passkey: dict, ppl: dict, dense_ppl: float | None) -> dict:

@@ -1,4 +1,4 @@
-"""`python -m gateway --scheduler HOST:PORT [--http-port 8000] [--grpc-port 50051] [--api-key-file PATH] [--model PATH]`
+"""`python -m pulseinfer.gateway --scheduler HOST:PORT [--http-port 8000] [--grpc-port 50051] [--api-key-file PATH] [--model PATH]`
 
 The API key: the content of --api-key-file, else $PULSEINFER_API_KEY (never a flag's value)."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import uvloop
 
-from gateway.server import GatewayConfig, serve
-from pulseinfer.flags import parse_config
-from pulseinfer.proc import run_service, setup_logging
+from pulseinfer.common.flags import parse_config
+from pulseinfer.common.proc import run_service, setup_logging
+from pulseinfer.gateway.server import GatewayConfig, serve
 
 
 def main() -> None:
-    config = parse_config(GatewayConfig, "python -m gateway", "PulseInfer gateway: OpenAI HTTP and gRPC")
+    config = parse_config(GatewayConfig, "python -m pulseinfer.gateway", "PulseInfer gateway: OpenAI HTTP and gRPC")
     setup_logging("gateway")
     uvloop.run(serve(config))
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.metrics import GatewayMetrics
-from gpu_worker.model.loader import ModelMeta
-from gpu_worker.tokenizer import TextStream
-from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
-from scheduler.request import SamplingParams, check_token_ids
-from scheduler.wire import params_to_proto
+from pulseinfer.gateway.metrics import GatewayMetrics
+from pulseinfer.gpu_worker.model.loader import ModelMeta
+from pulseinfer.gpu_worker.tokenizer import TextStream
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
+from pulseinfer.scheduler.request import SamplingParams, check_token_ids
+from pulseinfer.scheduler.wire import params_to_proto
 
 FINISH_NAMES = {
     generate_pb2.FINISH_REASON_STOP: "stop",

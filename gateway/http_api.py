@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, key_matches
-from gateway.openai_api import ApiError, ParsedRequest, ResponseShape, finish_reason, parse_body, parse_chat, parse_completion
+from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, key_matches
+from pulseinfer.gateway.openai_api import ApiError, ParsedRequest, ResponseShape, finish_reason, parse_body, parse_chat, parse_completion
 
 MAX_REQUEST_BYTES = 2 << 20  # a prompt filling a 32k context is well under 1 MiB of JSON
 GRPC_TO_HTTP = {

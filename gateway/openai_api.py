@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.core import Final, Prompt
-from scheduler.request import MAX_STOP_STRINGS, SamplingParams
+from pulseinfer.gateway.core import Final, Prompt
+from pulseinfer.scheduler.request import MAX_STOP_STRINGS, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
 # accepted for compatibility only at their neutral value

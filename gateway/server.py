@@ -8,15 +8,15 @@ from dataclasses import dataclass
 import grpc
 import uvicorn
 
-from gateway.core import GatewayCore
-from gateway.grpc_api import SERVICE, GenerationService
-from gateway.http_api import MAX_REQUEST_BYTES, HttpApi
-from gateway.metrics import GatewayMetrics
-from gpu_worker.model.loader import load_model_meta
-from proto.pulseinfer.v1 import generate_pb2_grpc
-from pulseinfer import grpc_common
-from pulseinfer.api_key import resolve_api_key
-from pulseinfer.grpc_common import add_health_and_reflection, add_servicer, set_serving
+from pulseinfer.common import grpc_common
+from pulseinfer.common.api_key import resolve_api_key
+from pulseinfer.common.grpc_common import add_health_and_reflection, add_servicer, set_serving
+from pulseinfer.gateway.core import GatewayCore
+from pulseinfer.gateway.grpc_api import SERVICE, GenerationService
+from pulseinfer.gateway.http_api import MAX_REQUEST_BYTES, HttpApi
+from pulseinfer.gateway.metrics import GatewayMetrics
+from pulseinfer.gpu_worker.model.loader import load_model_meta
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2_grpc
 
 log = logging.getLogger("gateway")
 

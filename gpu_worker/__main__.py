@@ -1,21 +1,21 @@
-"""`python -m gpu_worker --scheduler ADDR --kv-store ADDR --worker-id N [--device cpu|cuda] [--model PATH]`"""
+"""`python -m pulseinfer.gpu_worker --scheduler ADDR --kv-store ADDR --worker-id N [--device cpu|cuda] [--model PATH]`"""
 
 from __future__ import annotations
 
 import zmq
 
-from gpu_worker.model.loader import load_model
-from gpu_worker.offload import HostTier
-from gpu_worker.server import Worker, WorkerServiceConfig
-from kv_store.client import KVStoreClient
-from kv_store.segments import sweep
-from kv_store.view import PoolView
-from pulseinfer.flags import parse_config
-from pulseinfer.proc import run_service, setup_logging, stop_on_signals
+from pulseinfer.common.flags import parse_config
+from pulseinfer.common.proc import run_service, setup_logging, stop_on_signals
+from pulseinfer.gpu_worker.model.loader import load_model
+from pulseinfer.gpu_worker.offload import HostTier
+from pulseinfer.gpu_worker.server import Worker, WorkerServiceConfig
+from pulseinfer.kv_store.client import KVStoreClient
+from pulseinfer.kv_store.segments import sweep
+from pulseinfer.kv_store.view import PoolView
 
 
 def main() -> None:
-    config = parse_config(WorkerServiceConfig, "python -m gpu_worker", "PulseInfer decode worker")
+    config = parse_config(WorkerServiceConfig, "python -m pulseinfer.gpu_worker", "PulseInfer decode worker")
     log = setup_logging(f"gpu_worker{config.worker_id}")
     stop = stop_on_signals()
     sweep()  # e.g. the cache segment of this worker's earlier process, killed -9

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from scheduler.plan import StepPlan
+from pulseinfer.scheduler.plan import StepPlan
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.model.llama import LlamaModel
-from gpu_worker.tokenizer import Tokenizer
+from pulseinfer.gpu_worker.model.llama import LlamaModel
+from pulseinfer.gpu_worker.tokenizer import Tokenizer
 
 
 def prose() -> str:

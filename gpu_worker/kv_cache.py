@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.model.config import ModelConfig
-from kv_store.client import SegmentHeader
-from kv_store.cuda_ipc import ExportedCache
-from kv_store.engine import CacheShape
-from kv_store.segments import Segment, cache_name
-from proto.pulseinfer.v1 import kv_store_pb2 as pb
+from pulseinfer.gpu_worker.model.config import ModelConfig
+from pulseinfer.kv_store.client import SegmentHeader
+from pulseinfer.kv_store.cuda_ipc import ExportedCache
+from pulseinfer.kv_store.engine import CacheShape
+from pulseinfer.kv_store.segments import Segment, cache_name
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 
 @dataclass(frozen=True)

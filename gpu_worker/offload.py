@@ -23,15 +23,15 @@ from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
-from gpu_worker.batch import ForwardBatch, PrefillSpan
-from gpu_worker.kv_cache import PagedKVCache
-from gpu_worker.sparse import SCORERS, AttentionMass, BlockSummaries, Scorer, select_blocks
-from kernels.attention import GatherWorkspace
-from kernels.gather_scatter import recall
-from kv_store.allocator import PoolExhausted
-from kv_store.client import HostPoolLost, KVStoreUnavailable, RemoteRecall
-from kv_store.view import PoolView
-from scheduler.plan import RECALL_FIELDS, RecallStats, StepPlan
+from pulseinfer.gpu_worker.batch import ForwardBatch, PrefillSpan
+from pulseinfer.gpu_worker.kv_cache import PagedKVCache
+from pulseinfer.gpu_worker.sparse import SCORERS, AttentionMass, BlockSummaries, Scorer, select_blocks
+from pulseinfer.kernels.attention import GatherWorkspace
+from pulseinfer.kernels.gather_scatter import recall
+from pulseinfer.kv_store.allocator import PoolExhausted
+from pulseinfer.kv_store.client import HostPoolLost, KVStoreUnavailable, RemoteRecall
+from pulseinfer.kv_store.view import PoolView
+from pulseinfer.scheduler.plan import RECALL_FIELDS, RecallStats, StepPlan
 
 
 class HostAllocator(Protocol):

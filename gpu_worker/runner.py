@@ -9,16 +9,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from gpu_worker.batch import build_batch
-from gpu_worker.key_basis import calibration_ids, key_bases
-from gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
-from gpu_worker.model.llama import LlamaModel
-from gpu_worker.model.loader import LoadedModel
-from gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
-from gpu_worker.sampler import sample
-from gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
-from kv_store.client import KVStoreUnavailable
-from scheduler.plan import Chunk, RecallStats, SampledToken, StepOutcome, StepPlan
+from pulseinfer.gpu_worker.batch import build_batch
+from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
+from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
+from pulseinfer.gpu_worker.model.llama import LlamaModel
+from pulseinfer.gpu_worker.model.loader import LoadedModel
+from pulseinfer.gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
+from pulseinfer.gpu_worker.sampler import sample
+from pulseinfer.gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
+from pulseinfer.kv_store.client import KVStoreUnavailable
+from pulseinfer.scheduler.plan import Chunk, RecallStats, SampledToken, StepOutcome, StepPlan
 
 log = logging.getLogger("gpu_worker")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.plan import SamplingSpec
+from pulseinfer.scheduler.plan import SamplingSpec
 
 _SEED_STRIDE = 1_000_003  # distinct generator seeds per (request seed, token index)
 # Below this a temperature is greedy: dividing by it only overflows, and the distribution it

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from gpu_worker.model.loader import LoadedModel
-from gpu_worker.offload import HostTier
-from gpu_worker.runner import ModelRunner, WorkerConfig
-from proto.pulseinfer.v1 import worker_pb2
-from pulseinfer.peer import PeerLoss
-from scheduler.wire import plan_from_proto, recall_to_proto, tokens_to_proto
+from pulseinfer.common.peer import PeerLoss
+from pulseinfer.gpu_worker.model.loader import LoadedModel
+from pulseinfer.gpu_worker.offload import HostTier
+from pulseinfer.gpu_worker.runner import ModelRunner, WorkerConfig
+from pulseinfer.proto.pulseinfer.v1 import worker_pb2
+from pulseinfer.scheduler.wire import plan_from_proto, recall_to_proto, tokens_to_proto
 
 log = logging.getLogger("gpu_worker")
 POLL_MS = 200  # how soon a shutdown signal is noticed while idle

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.scoring import lowrank_scores, quest_scores, quest_weights
-from kernels.summary import block_minmax
+from pulseinfer.kernels.scoring import lowrank_scores, quest_scores, quest_weights
+from pulseinfer.kernels.summary import block_minmax
 
 MODES = ("dense", "pulse", "headwise")
 

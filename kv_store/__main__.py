@@ -1,16 +1,16 @@
-"""`python -m kv_store --bind ADDR [--model PATH] [--host-kv-tokens N]`"""
+"""`python -m pulseinfer.kv_store --bind ADDR [--model PATH] [--host-kv-tokens N]`"""
 
 from __future__ import annotations
 
-from gpu_worker.model.loader import load_model_meta
-from kv_store.pool import PoolGeometry
-from kv_store.server import KVStoreConfig, serve
-from pulseinfer.flags import parse_config
-from pulseinfer.proc import run_service, setup_logging, stop_on_signals
+from pulseinfer.common.flags import parse_config
+from pulseinfer.common.proc import run_service, setup_logging, stop_on_signals
+from pulseinfer.gpu_worker.model.loader import load_model_meta
+from pulseinfer.kv_store.pool import PoolGeometry
+from pulseinfer.kv_store.server import KVStoreConfig, serve
 
 
 def main() -> None:
-    config = parse_config(KVStoreConfig, "python -m kv_store", "PulseInfer host KV store")
+    config = parse_config(KVStoreConfig, "python -m pulseinfer.kv_store", "PulseInfer host KV store")
     setup_logging("kv_store")
     stop = stop_on_signals()
     geometry = PoolGeometry.for_model(load_model_meta(config.model).config, config.block_size, config.host_kv_tokens, config.kv_dtype)

@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
-from kv_store.allocator import PoolExhausted
-from proto.pulseinfer.v1 import kv_store_pb2 as pb
-from pulseinfer.peer import PeerLoss, watch
+from pulseinfer.common.peer import PeerLoss, watch
+from pulseinfer.kv_store.allocator import PoolExhausted
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 if TYPE_CHECKING:  # the control API (probes) must not pay for importing torch
     import torch
 
-    from gpu_worker.kv_cache import PagedKVCache
+    from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 
 
 class KVStoreUnavailable(RuntimeError):

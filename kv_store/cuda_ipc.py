@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.gather_scatter import MappedHost, recall, recall_triton
-from proto.pulseinfer.v1 import kv_store_pb2 as pb
+from pulseinfer.kernels.gather_scatter import MappedHost, recall, recall_triton
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 if TYPE_CHECKING:
-    from kv_store.engine import CacheShape
+    from pulseinfer.kv_store.engine import CacheShape
 
 STAGING_BYTES = 32 << 10  # fragments this size and up go staged; smaller ones mapped
 

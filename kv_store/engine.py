@@ -23,12 +23,12 @@ import torch
 import zmq
 from google.protobuf.message import DecodeError
 
-from kernels.gather_scatter import recall
-from kv_store.cuda_ipc import CudaTarget
-from kv_store.pool import PoolGeometry, unit_bytes
-from kv_store.segments import open_segment
-from kv_store.view import cuda_host_register, register_host_range, unregister_host_ranges
-from proto.pulseinfer.v1 import kv_store_pb2 as pb
+from pulseinfer.kernels.gather_scatter import recall
+from pulseinfer.kv_store.cuda_ipc import CudaTarget
+from pulseinfer.kv_store.pool import PoolGeometry, unit_bytes
+from pulseinfer.kv_store.segments import open_segment
+from pulseinfer.kv_store.view import cuda_host_register, register_host_range, unregister_host_ranges
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 POLL_MS = 200  # how soon a shutdown signal is noticed
 HEADER_BYTES = 4096  # int64 [0]: sequence of the last completed recall; a page, so K starts aligned

@@ -11,8 +11,8 @@ import mmap
 import os
 from dataclasses import dataclass
 
-from gpu_worker.model.config import ModelConfig
-from kv_store.segments import Segment, pool_name
+from pulseinfer.gpu_worker.model.config import ModelConfig
+from pulseinfer.kv_store.segments import Segment, pool_name
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module lacks the name
 PAGE = mmap.PAGESIZE

@@ -16,13 +16,13 @@ import torch
 import zmq
 from google.protobuf.message import DecodeError
 
-from kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
-from kv_store.client import io_address, pid_namespace
-from kv_store.cuda_ipc import STAGING_BYTES
-from kv_store.engine import RecallEngine
-from kv_store.pool import PoolGeometry, SharedPool, pid_alive
-from kv_store.segments import cache_name, sweep
-from proto.pulseinfer.v1 import kv_store_pb2 as pb
+from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
+from pulseinfer.kv_store.client import io_address, pid_namespace
+from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES
+from pulseinfer.kv_store.engine import RecallEngine
+from pulseinfer.kv_store.pool import PoolGeometry, SharedPool, pid_alive
+from pulseinfer.kv_store.segments import cache_name, sweep
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 log = logging.getLogger("kv_store")
 POLL_MS = 200  # how soon a shutdown signal is noticed

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from kv_store.pool import prefault, unit_bytes
-from kv_store.segments import open_segment
-from proto.pulseinfer.v1 import kv_store_pb2
+from pulseinfer.kv_store.pool import prefault, unit_bytes
+from pulseinfer.kv_store.segments import open_segment
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2
 
 
 class PoolMismatch(ValueError):

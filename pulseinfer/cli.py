@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from pulseinfer.flags import add_flags, from_flags
+from pulseinfer.common.flags import add_flags, from_flags
 
 
 def _generate_parser(sub) -> None:
@@ -21,7 +21,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[], help="stop token id (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     from pulseinfer.engine import EngineConfig
-    from scheduler.request import SamplingParams
+    from pulseinfer.scheduler.request import SamplingParams
 
     add_flags(p, SamplingParams, skip=("stop", "stop_token_ids"))
     add_flags(p, EngineConfig)
@@ -30,7 +30,7 @@ def _generate_parser(sub) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from pulseinfer.engine import Engine, EngineConfig
-    from scheduler.request import SamplingParams
+    from pulseinfer.scheduler.request import SamplingParams
 
     text = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
     params = dataclasses.replace(from_flags(SamplingParams, args), stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids))
@@ -96,9 +96,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from bench.decode import DecodeBenchConfig
-    from bench.serve import ServeBenchConfig
-    from bench.soak import SoakConfig
+    from pulseinfer.bench.decode import DecodeBenchConfig
+    from pulseinfer.bench.serve import ServeBenchConfig
+    from pulseinfer.bench.soak import SoakConfig
 
     p = sub.add_parser("bench", help="benchmarks on the real model")
     kinds = p.add_subparsers(dest="kind", required=True)
@@ -118,19 +118,19 @@ def _bench_parser(sub) -> None:
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
-    from bench.decode import DecodeBenchConfig, main
+    from pulseinfer.bench.decode import DecodeBenchConfig, main
 
     return main(from_flags(DecodeBenchConfig, args), args.json, args.plot)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from bench.serve import ServeBenchConfig, main
+    from pulseinfer.bench.serve import ServeBenchConfig, main
 
     return main(from_flags(ServeBenchConfig, args), args.json)
 
 
 def _bench_soak(args: argparse.Namespace) -> int:
-    from bench.soak import SoakConfig, main
+    from pulseinfer.bench.soak import SoakConfig, main
 
     return main(from_flags(SoakConfig, args), args.json)
 

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.model.loader import LoadedModel, load_model
-from gpu_worker.offload import HostTier
-from gpu_worker.runner import ModelRunner, Pick, WorkerConfig
-from gpu_worker.sparse import check_mode
-from gpu_worker.tokenizer import TextStream
-from kv_store.allocator import BlockAllocator
-from kv_store.view import PoolView
-from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from scheduler.plan import Chunk, StepPlan
-from scheduler.request import FinishReason, SamplingParams, Sequence
+from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
+from pulseinfer.gpu_worker.offload import HostTier
+from pulseinfer.gpu_worker.runner import ModelRunner, Pick, WorkerConfig
+from pulseinfer.gpu_worker.sparse import check_mode
+from pulseinfer.gpu_worker.tokenizer import TextStream
+from pulseinfer.kv_store.allocator import BlockAllocator
+from pulseinfer.kv_store.view import PoolView
+from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
+from pulseinfer.scheduler.plan import Chunk, StepPlan
+from pulseinfer.scheduler.request import FinishReason, SamplingParams, Sequence
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.key_basis import prose
-from gpu_worker.model.loader import LoadedModel
 from pulseinfer.engine import Engine, EngineConfig
-from scheduler.request import SamplingParams
+from pulseinfer.gpu_worker.key_basis import prose
+from pulseinfer.gpu_worker.model.loader import LoadedModel
+from pulseinfer.scheduler.request import SamplingParams
 
 # The plain-text passkey test of Landmark Attention (Mohtashami & Jaggi, 2023), parts joined by newlines.
 PASSKEY_INTRO = (

@@ -22,18 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.server import GatewayConfig
-from gpu_worker.runner import WorkerConfig
-from gpu_worker.server import WorkerServiceConfig
-from gpu_worker.sparse import check_mode
-from kv_store.segments import hold, remove_unheld, sweep
-from kv_store.server import KVStoreConfig
 from pulseinfer import probe
-from pulseinfer.api_key import API_KEY_ENV, resolve_api_key
-from pulseinfer.flags import to_flags
-from pulseinfer.proc import PARENT_ENV, setup_logging
-from scheduler.batcher import BatcherConfig
-from scheduler.core import SchedulerConfig
+from pulseinfer.common.api_key import API_KEY_ENV, resolve_api_key
+from pulseinfer.common.flags import to_flags
+from pulseinfer.common.proc import PARENT_ENV, setup_logging
+from pulseinfer.gateway.server import GatewayConfig
+from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.gpu_worker.server import WorkerServiceConfig
+from pulseinfer.gpu_worker.sparse import check_mode
+from pulseinfer.kv_store.segments import hold, remove_unheld, sweep
+from pulseinfer.kv_store.server import KVStoreConfig
+from pulseinfer.scheduler.batcher import BatcherConfig
+from pulseinfer.scheduler.core import SchedulerConfig
 
 log = logging.getLogger("launcher")
 RESTART_LIMIT = 5  # restarts of one child within RESTART_WINDOW_S before the launcher gives up
@@ -62,9 +62,9 @@ class ServeConfig:
 
 
 class Child:
-    def __init__(self, name: str, module: str, argv: list[str], env: dict[str, str] | None = None):
+    def __init__(self, name: str, service: str, argv: list[str], env: dict[str, str] | None = None):
         self.name = name
-        self.argv = [sys.executable, "-m", module, *argv]
+        self.argv = [sys.executable, "-m", f"pulseinfer.{service}", *argv]
         self.env = env or {}  # on top of the launcher's environment, less the API key: secrets go here, never in argv
         self.process: subprocess.Popen | None = None
         self.restarts: list[float] = []

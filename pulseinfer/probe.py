@@ -21,8 +21,8 @@ import grpc
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_store.client import KVStoreClient, KVStoreUnavailable
-from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2
+from pulseinfer.kv_store.client import KVStoreClient, KVStoreUnavailable
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2
 
 
 class NotReady(Exception):

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pulseinfer.api_key import API_KEY_ENV
+from pulseinfer.common.api_key import API_KEY_ENV
 
 READY_LINE = "PulseInfer is serving"
 
@@ -79,7 +79,7 @@ class ServingCluster:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             if ppid == self.process.pid and len(cmdline) > 2 and cmdline[1] == b"-m":
-                name = cmdline[2].decode()
+                name = cmdline[2].decode().removeprefix("pulseinfer.")
                 if name == "gpu_worker":
                     name += cmdline[cmdline.index(b"--worker-id") + 1].decode()
                 found[name] = int(entry.name)

@@ -1,17 +1,17 @@
-"""`python -m scheduler --grpc-bind HOST:PORT --workers-bind ADDR --kv-store ADDR`"""
+"""`python -m pulseinfer.scheduler --grpc-bind HOST:PORT --workers-bind ADDR --kv-store ADDR`"""
 
 from __future__ import annotations
 
 import uvloop
 
-from pulseinfer.flags import parse_config
-from pulseinfer.proc import run_service, setup_logging
-from scheduler.core import SchedulerConfig
-from scheduler.server import serve
+from pulseinfer.common.flags import parse_config
+from pulseinfer.common.proc import run_service, setup_logging
+from pulseinfer.scheduler.core import SchedulerConfig
+from pulseinfer.scheduler.server import serve
 
 
 def main() -> None:
-    config = parse_config(SchedulerConfig, "python -m scheduler", "PulseInfer scheduler")
+    config = parse_config(SchedulerConfig, "python -m pulseinfer.scheduler", "PulseInfer scheduler")
     setup_logging("scheduler")
     uvloop.run(serve(config))
 

@@ -11,10 +11,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from kv_store.allocator import BlockAllocator
-from scheduler.admission import LinkModel
-from scheduler.plan import Chunk, RecallStats, SampledToken, StepPlan
-from scheduler.request import FinishReason, SeqStatus, Sequence
+from pulseinfer.kv_store.allocator import BlockAllocator
+from pulseinfer.scheduler.admission import LinkModel
+from pulseinfer.scheduler.plan import Chunk, RecallStats, SampledToken, StepPlan
+from pulseinfer.scheduler.request import FinishReason, SeqStatus, Sequence
 
 OFFLOAD_POLICIES = ("never", "auto", "always")
 

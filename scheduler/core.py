@@ -13,12 +13,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
-from kv_store.allocator import AllocatorCorrupt, BlockAllocator
-from proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from scheduler.plan import RecallStats, StepPlan
-from scheduler.request import FinishReason, Sequence
-from scheduler.wire import params_from_proto, plan_to_proto, recall_from_proto, tokens_from_proto
+from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
+from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
+from pulseinfer.scheduler.plan import RecallStats, StepPlan
+from pulseinfer.scheduler.request import FinishReason, Sequence
+from pulseinfer.scheduler.wire import params_from_proto, plan_to_proto, recall_from_proto, tokens_from_proto
 
 Sink = Callable[[generate_pb2.ScheduleResponse], None]
 

@@ -6,7 +6,7 @@ import enum
 import random
 from dataclasses import dataclass, field
 
-from scheduler.plan import SamplingSpec
+from pulseinfer.scheduler.plan import SamplingSpec
 
 MAX_STOP_STRINGS = 16
 UINT32_MAX = 2**32 - 1  # max_tokens, top_k and token ids travel as proto uint32

@@ -15,11 +15,11 @@ import zmq
 import zmq.asyncio
 from google.protobuf.message import DecodeError
 
-from proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2, worker_pb2
-from pulseinfer import grpc_common
-from pulseinfer.grpc_common import add_health_and_reflection, add_servicer, set_serving
-from scheduler.batcher import QueueFull, RequestTooLarge
-from scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
+from pulseinfer.common import grpc_common
+from pulseinfer.common.grpc_common import add_health_and_reflection, add_servicer, set_serving
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2, worker_pb2
+from pulseinfer.scheduler.batcher import QueueFull, RequestTooLarge
+from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
 
 log = logging.getLogger("scheduler")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from scheduler.plan import RECALL_FIELDS, Chunk, RecallStats, SampledToken, SamplingSpec, StepPlan
-from scheduler.request import SamplingParams
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
+from pulseinfer.scheduler.plan import RECALL_FIELDS, Chunk, RecallStats, SampledToken, SamplingSpec, StepPlan
+from pulseinfer.scheduler.request import SamplingParams
 
 
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:

@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from gpu_worker.model.loader import LoadedModel, default_model_path, load_model
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.model.loader import LoadedModel, default_model_path, load_model
 
 torch.set_num_threads(2)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.batch import build_batch
-from gpu_worker.runner import ModelRunner
-from scheduler.plan import Chunk, SamplingSpec, StepPlan
+from pulseinfer.gpu_worker.batch import build_batch
+from pulseinfer.gpu_worker.runner import ModelRunner
+from pulseinfer.scheduler.plan import Chunk, SamplingSpec, StepPlan
 
 GREEDY = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=0, step=0)
 

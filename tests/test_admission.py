@@ -4,11 +4,11 @@ recall would not hide behind compute."""
 
 from __future__ import annotations
 
-from kv_store.allocator import BlockAllocator
-from scheduler.admission import LinkModel
-from scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from scheduler.plan import Chunk, RecallStats, SamplingSpec, StepPlan
-from scheduler.request import SamplingParams, Sequence
+from pulseinfer.kv_store.allocator import BlockAllocator
+from pulseinfer.scheduler.admission import LinkModel
+from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
+from pulseinfer.scheduler.plan import Chunk, RecallStats, SamplingSpec, StepPlan
+from pulseinfer.scheduler.request import SamplingParams, Sequence
 
 BLOCK = 16
 FOOTPRINT = 10  # device blocks of an offloaded request

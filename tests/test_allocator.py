@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
+from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
 
 
 def test_allocate_release_roundtrip():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from conftest import PROMPTS
 
-from gpu_worker.runner import WorkerConfig
 from pulseinfer.engine import Engine, EngineConfig
-from scheduler.batcher import BatcherConfig
-from scheduler.request import SamplingParams
+from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.scheduler.batcher import BatcherConfig
+from pulseinfer.scheduler.request import SamplingParams
 
 GREEDY_24 = SamplingParams(max_tokens=24, ignore_eos=True)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.decode import DecodeBenchConfig, TeacherForcing, run, table
-from scheduler.plan import Chunk
+from pulseinfer.bench.decode import DecodeBenchConfig, TeacherForcing, run, table
+from pulseinfer.scheduler.plan import Chunk
 
 
 def test_teacher_forcing_feeds_the_reference_and_counts_greedy_agreement():

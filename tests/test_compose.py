@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.server import GatewayConfig
-from gpu_worker.server import WorkerServiceConfig
-from kv_store.client import io_address
-from kv_store.server import KVStoreConfig
-from pulseinfer.flags import parse_config
-from scheduler.core import SchedulerConfig
+from pulseinfer.common.flags import parse_config
+from pulseinfer.gateway.server import GatewayConfig
+from pulseinfer.gpu_worker.server import WorkerServiceConfig
+from pulseinfer.kv_store.client import io_address
+from pulseinfer.kv_store.server import KVStoreConfig
+from pulseinfer.scheduler.core import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -43,7 +43,7 @@ def test_the_four_services_share_one_image_and_host_ipc(compose):
         assert service["image"] == "pulseinfer:latest" and service["ipc"] == "host", name
         assert service["ulimits"]["memlock"] == {"soft": -1, "hard": -1}, name
         assert service["healthcheck"]["start_period"], name
-        assert service["command"][:3] == ["python", "-m", name]
+        assert service["command"][:3] == ["python", "-m", f"pulseinfer.{name}"]
     assert services["gateway"]["ports"] == ["8000:8000", "50051:50051"]
     for name in ("gpu_worker", "kv_store"):  # the kv_store's I/O engine opens the worker's cache with CUDA IPC: the same GPU
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]

@@ -28,8 +28,8 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from proto.pulseinfer.v1 import generate_pb2 as pb
-from proto.pulseinfer.v1 import generate_pb2_grpc
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2 as pb
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2_grpc
 from pulseinfer.serving_cluster import ServingCluster
 
 API_KEY = "hostile-inputs-key"

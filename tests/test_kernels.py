@@ -14,11 +14,11 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels.attention import GatherWorkspace, paged_decode_attention  # noqa: E402
-from kernels.decode_triton import paged_decode_attention_triton  # noqa: E402
-from kernels.gather_scatter import recall, recall_ref, recall_triton  # noqa: E402
-from kernels.scoring import quest_scores, quest_scores_ref, quest_scores_triton, quest_weights  # noqa: E402
-from kernels.summary import block_minmax, block_minmax_ref, block_minmax_triton  # noqa: E402
+from pulseinfer.kernels.attention import GatherWorkspace, paged_decode_attention  # noqa: E402
+from pulseinfer.kernels.decode_triton import paged_decode_attention_triton  # noqa: E402
+from pulseinfer.kernels.gather_scatter import recall, recall_ref, recall_triton  # noqa: E402
+from pulseinfer.kernels.scoring import quest_scores, quest_scores_ref, quest_scores_triton, quest_weights  # noqa: E402
+from pulseinfer.kernels.summary import block_minmax, block_minmax_ref, block_minmax_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, H, HQ, D = 16, 3, 9, 64
@@ -133,9 +133,9 @@ def test_recall(dtype, per_head, block, dim):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU dispatch")
 def test_dispatchers_run_the_reference_on_cpu(monkeypatch):
-    import kernels.gather_scatter as gather_scatter
-    import kernels.scoring as scoring
-    import kernels.summary as summary
+    import pulseinfer.kernels.gather_scatter as gather_scatter
+    import pulseinfer.kernels.scoring as scoring
+    import pulseinfer.kernels.summary as summary
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a Triton kernel was dispatched for CPU tensors")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.key_basis import calibration_ids, key_bases
-from gpu_worker.model.llama import LlamaModel
+from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
+from pulseinfer.gpu_worker.model.llama import LlamaModel
 
 
 def test_bases_are_orthonormal_and_capture_the_keys_better_than_a_random_subspace(model):

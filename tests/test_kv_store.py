@@ -14,16 +14,16 @@ import pytest
 import torch
 import zmq
 
-from gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
-from gpu_worker.model.loader import load_model_meta
-from kernels.gather_scatter import recall_ref
-from kv_store.allocator import PoolExhausted
-from kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall, SegmentHeader
-from kv_store.cuda_ipc import STAGING_BYTES, Staging, staged
-from kv_store.engine import CacheShape
-from kv_store.view import CUDA_REGISTER_CHUNK, PoolMismatch, PoolView, register_host_range
-from proto.pulseinfer.v1 import kv_store_pb2 as pb
+from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
+from pulseinfer.gpu_worker.model.loader import load_model_meta
+from pulseinfer.kernels.gather_scatter import recall_ref
+from pulseinfer.kv_store.allocator import PoolExhausted
+from pulseinfer.kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall, SegmentHeader
+from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES, Staging, staged
+from pulseinfer.kv_store.engine import CacheShape
+from pulseinfer.kv_store.view import CUDA_REGISTER_CHUNK, PoolMismatch, PoolView, register_host_range
 from pulseinfer.launcher import Child, start_kv_store
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 # SmolLM2-135M: 3 kv heads x 64 dims; the pool is for fp32, block 16
 KV_HEADS, HEAD_DIM, BLOCK = 3, 64, 16
@@ -33,8 +33,8 @@ POOL_TOKENS = 64 * BLOCK
 MAPPER = textwrap.dedent(
     """
     import sys, torch, zmq
-    from kv_store.client import KVStoreClient
-    from kv_store.view import PoolView
+    from pulseinfer.kv_store.client import KVStoreClient
+    from pulseinfer.kv_store.view import PoolView
     action, address, owner, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     client = KVStoreClient(zmq.Context.instance(), address)
     view = PoolView.attach(client.register(worker_id=1 if action == "write" else 2), 3, 16, 64, torch.float32)
@@ -122,7 +122,7 @@ def test_a_worker_with_another_geometry_is_refused(kv_store):
 
 def test_the_segment_is_gone_after_shutdown(tmp_path):
     address = f"ipc://{tmp_path}/kv"
-    process = subprocess.Popen([sys.executable, "-m", "kv_store", "--bind", address, "--host-kv-tokens", str(POOL_TOKENS)])
+    process = subprocess.Popen([sys.executable, "-m", "pulseinfer.kv_store", "--bind", address, "--host-kv-tokens", str(POOL_TOKENS)])
     deadline = time.monotonic() + 60
     while not (segments := list(Path("/dev/shm").glob(f"pulseinfer-kv-{process.pid}-*"))) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -150,9 +150,9 @@ def test_cuda_registration_goes_in_64_gib_chunks_and_accepts_an_already_register
 TARGET_HOLDER = textwrap.dedent(
     """
     import sys, time, torch, zmq
-    from gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
-    from gpu_worker.model.loader import load_model_meta
-    from kv_store.client import KVStoreClient
+    from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
+    from pulseinfer.gpu_worker.model.loader import load_model_meta
+    from pulseinfer.kv_store.client import KVStoreClient
     client = KVStoreClient(zmq.Context.instance(), sys.argv[1])
     client.register(worker_id=9)
     cache = PagedKVCache(load_model_meta(None).config, KVCacheSpec(4, 16), torch.float32, torch.device("cpu"), shared=True)

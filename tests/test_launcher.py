@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.server import GatewayConfig
 from pulseinfer import cli
-from pulseinfer.api_key import API_KEY_ENV, resolve_api_key
-from pulseinfer.flags import parse_config
+from pulseinfer.common.api_key import API_KEY_ENV, resolve_api_key
+from pulseinfer.common.flags import parse_config
+from pulseinfer.gateway.server import GatewayConfig
 from pulseinfer.launcher import Cluster, ServeConfig
 from pulseinfer.serving_cluster import ServingCluster
 

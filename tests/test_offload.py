@@ -9,15 +9,15 @@ import time
 import pytest
 import torch
 
-from gpu_worker.batch import pad_tables
-from gpu_worker.model.llama import Cohort, LlamaModel
-from gpu_worker.offload import HotBuffers, OffloadConfig, OffloadStep, by_rank
-from gpu_worker.runner import WorkerConfig
-from gpu_worker.sparse import BlockSummaries, LowRankScorer, QuestScorer, select_blocks
-from kernels.scoring import lowrank_scores
 from pulseinfer.engine import Engine, EngineConfig
-from scheduler.batcher import BatcherConfig
-from scheduler.request import SamplingParams
+from pulseinfer.gpu_worker.batch import pad_tables
+from pulseinfer.gpu_worker.model.llama import Cohort, LlamaModel
+from pulseinfer.gpu_worker.offload import HotBuffers, OffloadConfig, OffloadStep, by_rank
+from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.gpu_worker.sparse import BlockSummaries, LowRankScorer, QuestScorer, select_blocks
+from pulseinfer.kernels.scoring import lowrank_scores
+from pulseinfer.scheduler.batcher import BatcherConfig
+from pulseinfer.scheduler.request import SamplingParams
 
 GREEDY_32 = SamplingParams(max_tokens=32, ignore_eos=True)
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proto.generate import ROOT, generate
-from proto.pulseinfer.v1 import generate_pb2, kv_store_pb2, worker_pb2
+from pulseinfer.proto.generate import PROTO, generate
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, kv_store_pb2, worker_pb2
 
-GENERATED = ROOT / "proto" / "pulseinfer" / "v1"
+GENERATED = PROTO / "pulseinfer" / "v1"
 
 
 def test_generated_code_is_current(tmp_path: Path):
     generate(tmp_path)
-    fresh = sorted((tmp_path / "proto" / "pulseinfer" / "v1").glob("*_pb2*"))
+    fresh = sorted((tmp_path / "pulseinfer" / "v1").glob("*_pb2*"))
     assert [p.name for p in fresh] == sorted(p.name for p in GENERATED.glob("*_pb2*"))
     for path in fresh:
         assert path.read_bytes() == (GENERATED / path.name).read_bytes(), f"{path.name} is stale: run `make proto`"

@@ -9,9 +9,9 @@ import torch
 from conftest import PROMPTS
 from helpers import last_logits
 
-from gpu_worker.model.loader import load_model, save_hf_dir
-from gpu_worker.runner import ModelRunner, WorkerConfig
-from scheduler.request import SamplingParams
+from pulseinfer.gpu_worker.model.loader import load_model, save_hf_dir
+from pulseinfer.gpu_worker.runner import ModelRunner, WorkerConfig
+from pulseinfer.scheduler.request import SamplingParams
 
 
 def _long_prompt(tokenizer, n_tokens: int) -> list[int]:

@@ -1,9 +1,9 @@
 import torch
 
-from gpu_worker.sampler import UNSAMPLEABLE, sample
-from gpu_worker.tokenizer import TextStream
-from scheduler.plan import SamplingSpec
-from scheduler.request import FinishReason, SamplingParams
+from pulseinfer.gpu_worker.sampler import UNSAMPLEABLE, sample
+from pulseinfer.gpu_worker.tokenizer import TextStream
+from pulseinfer.scheduler.plan import SamplingSpec
+from pulseinfer.scheduler.request import FinishReason, SamplingParams
 
 
 def spec(**kw) -> SamplingSpec:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from scheduler.batcher import BatcherConfig, QueueFull
-from scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
+from pulseinfer.scheduler.batcher import BatcherConfig, QueueFull
+from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
 
 
 class Clock:

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kv_store.client import KVStoreClient
-from kv_store.segments import SHM_DIR, Segment, cache_name, open_segment, pool_name, sweep
-from proto.pulseinfer.v1 import kv_store_pb2 as pb
+from pulseinfer.kv_store.client import KVStoreClient
+from pulseinfer.kv_store.segments import SHM_DIR, Segment, cache_name, open_segment, pool_name, sweep
 from pulseinfer.launcher import _new_run_dir, start_kv_store
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 # Creates a segment, says its name, and waits to be killed.
 CREATOR = textwrap.dedent(
     """
     import sys, time
-    from kv_store.segments import Segment, pool_name
+    from pulseinfer.kv_store.segments import Segment, pool_name
     segment = Segment(pool_name(), 4096)
     print(segment.name, flush=True)
     time.sleep(600)

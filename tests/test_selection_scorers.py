@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from bench.selection_scorers import ScorerStudyConfig, study
-from gpu_worker.offload import OffloadConfig
-from gpu_worker.runner import WorkerConfig
+from pulseinfer.bench.selection_scorers import ScorerStudyConfig, study
 from pulseinfer.engine import EngineConfig
 from pulseinfer.evals import PerplexityConfig, evaluate
+from pulseinfer.gpu_worker.offload import OffloadConfig
+from pulseinfer.gpu_worker.runner import WorkerConfig
 
 
 def test_study_gives_the_engines_perplexity(model):

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.batch import ForwardBatch
-from gpu_worker.kv_cache import PagedKVCache
-from gpu_worker.model.config import ModelConfig
-from gpu_worker.offload import DecodePhase, OffloadStep
-from kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention, prefill_attention
-from kernels.decode_triton import paged_decode_attention_triton
+from pulseinfer.gpu_worker.batch import ForwardBatch
+from pulseinfer.gpu_worker.kv_cache import PagedKVCache
+from pulseinfer.gpu_worker.model.config import ModelConfig
+from pulseinfer.gpu_worker.offload import DecodePhase, OffloadStep
+from pulseinfer.kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention, prefill_attention
+from pulseinfer.kernels.decode_triton import paged_decode_attention_triton
 
 # (layer, q [T, heads, dim], keys [length, kv_heads, dim]) -> allowed [T, length], or None: causal
 Mask = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None]

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.model.config import ModelConfig
-from gpu_worker.model.gguf_file import GGUFFormatError, GGUFTensor, read_gguf
-from gpu_worker.tokenizer import Tokenizer, TokenizerError
+from pulseinfer.gpu_worker.model.config import ModelConfig
+from pulseinfer.gpu_worker.model.gguf_file import GGUFFormatError, GGUFTensor, read_gguf
+from pulseinfer.gpu_worker.tokenizer import Tokenizer, TokenizerError
 
 # architecture -> whether q/k/v projections carry a bias
 SUPPORTED_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.pulseinfer.v1 import generate_pb2 as proto_dot_pulseinfer_dot_v1_dot_generate__pb2
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2 as pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pulseinfer/v1/generate_pb2_grpc.py depends on'
+        + ' but the generated code in pulseinfer/proto/pulseinfer/v1/generate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/pulseinfer.v1.Generation/Generate',
-                request_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pulseinfer.v1.Generation/Abort',
-                request_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pulseinfer.v1.Generation/GetModelInfo',
-                request_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -79,18 +79,18 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -119,8 +119,8 @@ class Generation:
             request,
             target,
             '/pulseinfer.v1.Generation/Generate',
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,8 +146,8 @@ class Generation:
             request,
             target,
             '/pulseinfer.v1.Generation/Abort',
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,8 +173,8 @@ class Generation:
             request,
             target,
             '/pulseinfer.v1.Generation/GetModelInfo',
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -197,18 +197,18 @@ class SchedulerStub:
         """
         self.Schedule = channel.unary_stream(
                 '/pulseinfer.v1.Scheduler/Schedule',
-                request_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleRequest.SerializeToString,
-                response_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleResponse.FromString,
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pulseinfer.v1.Scheduler/Abort',
-                request_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pulseinfer.v1.Scheduler/Stats',
-                request_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStatsRequest.SerializeToString,
-                response_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStats.FromString,
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStatsRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStats.FromString,
                 _registered_method=True)
 
 
@@ -238,18 +238,18 @@ def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Schedule': grpc.unary_stream_rpc_method_handler(
                     servicer.Schedule,
-                    request_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleRequest.FromString,
-                    response_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleResponse.SerializeToString,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStatsRequest.FromString,
-                    response_serializer=proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStats.SerializeToString,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStatsRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -277,8 +277,8 @@ class Scheduler:
             request,
             target,
             '/pulseinfer.v1.Scheduler/Schedule',
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleRequest.SerializeToString,
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleResponse.FromString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -304,8 +304,8 @@ class Scheduler:
             request,
             target,
             '/pulseinfer.v1.Scheduler/Abort',
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -331,8 +331,8 @@ class Scheduler:
             request,
             target,
             '/pulseinfer.v1.Scheduler/Stats',
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStatsRequest.SerializeToString,
-            proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStats.FromString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStatsRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStats.FromString,
             options,
             channel_credentials,
             insecure,
