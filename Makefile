@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-sparse-accuracy bench-selection-scorers bench-recall-gather bench-decode bench-serve clean proto
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-decode bench-serve clean proto
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,30 +21,31 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(VENV)/bin/pulseinfer serve
 
+# pytest, not `python -m pytest`: that puts the repo root on sys.path, where kernels/ would shadow HF's `kernels`
 test: $(STAMP)
 	$(VENV)/bin/ruff check --no-cache .
-	$(PY) -m pytest -q
+	$(VENV)/bin/pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check --no-cache . && $(VENV)/bin/ruff format --check --no-cache .
 
 bench-dense: $(STAMP)
-	$(PY) -m pulseinfer.bench.dense_decode --json bench/results/dense_decode.json
+	$(VENV)/bin/pulseinfer bench dense-decode --json bench/results/dense_decode.json
 
 bench-serving: $(STAMP)
-	$(PY) -m pulseinfer.bench.serving_overhead --json bench/results/serving_overhead.json
+	$(VENV)/bin/pulseinfer bench serving-overhead --json bench/results/serving_overhead.json
 
 bench-host-pool: $(STAMP)
-	$(PY) -m pulseinfer.bench.host_pool --json bench/results/host_pool.json
-
-bench-sparse-accuracy: $(STAMP)
-	$(PY) -m pulseinfer.bench.sparse_accuracy --json bench/results/sparse_accuracy.json
+	$(VENV)/bin/pulseinfer bench host-pool --json bench/results/host_pool.json
 
 bench-selection-scorers: $(STAMP)
-	$(PY) -m pulseinfer.bench.selection_scorers --json bench/results/selection_scorers.json
+	$(VENV)/bin/pulseinfer bench selection-scorers --json bench/results/selection_scorers.json
 
 bench-recall-gather: $(STAMP)
-	$(PY) -m pulseinfer.bench.recall_gather --json bench/results/recall_gather.json
+	$(VENV)/bin/pulseinfer bench recall-gather --json bench/results/recall_gather.json
+
+bench-layer-ahead: $(STAMP)
+	$(VENV)/bin/pulseinfer bench layer-ahead --output-tokens 16 --hot-extra 256 --json bench/results/layer_ahead.json
 
 bench-decode: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

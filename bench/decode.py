@@ -45,7 +45,7 @@ import torch
 
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
-from pulseinfer.gpu_worker.offload import OffloadConfig
+from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.plan import Chunk, StepPlan
@@ -210,6 +210,7 @@ def run_mode(
     stalled = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
     decode_steps = max(len(batch_sizes), 1)
     stats = engine.selection_stats()
+    recall = stats.get("recall", {})
     return {
         "mode": mode,
         "decode_tok_s": decode_rows / decode_s if decode_s else 0.0,
@@ -221,10 +222,10 @@ def run_mode(
         "mean_decode_batch": statistics.fmean(batch_sizes) if batch_sizes else 0.0,
         "offloaded_requests": engine.batcher.num_offloaded,
         "held_for_link": engine.batcher.num_held_for_link,
-        "recall_bytes_per_step": stats.get("recall_bytes", 0) / decode_steps,
-        "recall_transfers_per_step": stats.get("recall_transfers", 0) / decode_steps,
+        "recall_bytes_per_step": recall.get("bytes", 0) / decode_steps,
+        "recall_transfers_per_step": recall.get("transfers", 0) / decode_steps,
         "recall_bytes_by_layer_per_step": [b / decode_steps for b in stats.get("recall_bytes_by_layer", [])],
-        "io_wait_s": stats.get("io_wait_seconds", 0.0),
+        "recall_wait_s": recall.get("wait_s", 0.0),
         "decode_s": decode_s,
         "prefill_s": prefill_s,
         "wall_s": wall,
@@ -279,13 +280,13 @@ def run(config: DecodeBenchConfig, loaded: LoadedModel | None = None, log=print)
 def table(result: dict) -> str:
     lines = [
         f"{'mode':22} {'decode tok/s':>12} {'TPOT p50 ms':>11} {'TPOT p99 ms':>11} {'batch':>6} "
-        f"{'MB/step':>8} {'transfers/step':>14} {'io wait s':>9} {'agree':>6}"
+        f"{'MB/step':>8} {'transfers/step':>14} {'wait s':>9} {'agree':>6}"
     ]
     for r in result["modes"]:
         lines.append(
             f"{r['mode']:22} {r['decode_tok_s']:12.2f} {r['tpot_p50_s'] * 1e3:11.0f} {r['tpot_p99_s'] * 1e3:11.0f} "
             f"{r['mean_decode_batch']:6.1f} {r['recall_bytes_per_step'] / 1e6:8.1f} {r['recall_transfers_per_step']:14.0f} "
-            f"{r['io_wait_s']:9.2f} {r.get('agreement_with_dense', float('nan')):6.3f}"
+            f"{r['recall_wait_s']:9.2f} {r.get('agreement_with_dense', float('nan')):6.3f}"
         )
     if result["settings"]["teacher_forced"]:
         lines.append("agree: teacher-forced, the share of positions where the mode's greedy token is dense's")

@@ -1,21 +1,22 @@
 """Dense decode throughput: PulseInfer's engine vs HF transformers `generate`, side by side.
 
-    python -m pulseinfer.bench.dense_decode [--batches 1,8] [--contexts 512,2048,4096] [--output-tokens 32] [--json OUT]
+    pulseinfer bench dense-decode [--batches 1,8] [--contexts 512,2048,4096] [--output-tokens 32] [--json OUT]
 
 Decode tokens/s counts only the decode phase (after prefill), for both engines.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pulseinfer.common.model.meta import default_model_path
 from pulseinfer.engine import Engine, EngineConfig
-from pulseinfer.gpu_worker.model.loader import default_model_path, load_model
+from pulseinfer.gpu_worker.model.loader import load_model
 from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.request import SamplingParams
@@ -52,13 +53,14 @@ def bench_hf(model, prompts: list[list[int]], output_tokens: int) -> float:
     return len(prompts) * output_tokens / (time.perf_counter() - started)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--contexts", default="512,2048,4096")
-    parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--json", type=Path, help="write results here")
-    args = parser.parse_args()
+@dataclass(frozen=True)
+class DenseDecodeBenchConfig:
+    batches: str = "1,8"  # comma-separated batch sizes
+    contexts: str = "512,2048,4096"  # comma-separated prompt lengths, in tokens
+    output_tokens: int = 32
+
+
+def main(args: DenseDecodeBenchConfig, json_path: Path | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
 
@@ -100,10 +102,7 @@ def main() -> None:
         "load_seconds": {"pulseinfer": ours_load, "hf": hf_load},
         "rows": rows,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1))
+    return 0

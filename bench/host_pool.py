@@ -1,7 +1,7 @@
 """Host KV pool bandwidth: write-back and read-back through a worker's mapping of the
 kv_store segment, against a plain contiguous copy of the same bytes, in one run.
 
-    python -m pulseinfer.bench.host_pool [--blocks 2048] [--batch 256] [--json OUT]
+    pulseinfer bench host-pool [--blocks 2048] [--batch 256] [--repeats 20] [--json OUT]
 
 Write-back: `batch` full blocks of one layer (all heads, K and V) from the device cache's
 slot-major layout into their pool units (one transposing scatter for K, one for V). Read-back: one index_select of `batch` scattered units
@@ -10,34 +10,38 @@ of a layer into a reused buffer. Baseline: torch copy_ of a contiguous buffer of
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pulseinfer.bench.timing import seconds_per_call
-from pulseinfer.gpu_worker.model.loader import load_model_meta
-from pulseinfer.kv_store.pool import PoolGeometry, SharedPool
+from pulseinfer.common.model.meta import load_model_meta
+from pulseinfer.kv_store.layout import PoolGeometry
+from pulseinfer.kv_store.pool import SharedPool
 from pulseinfer.kv_store.server import KVStore
 from pulseinfer.kv_store.view import PoolView
 
 BLOCK = 16
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=2048, help="pool size in blocks")
-    parser.add_argument("--batch", type=int, default=256, help="blocks per write-back round and per read-back gather")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+@dataclass(frozen=True)
+class HostPoolBenchConfig:
+    blocks: int = 2048  # pool size in blocks
+    batch: int = 256  # blocks per write-back round and per read-back gather
+    repeats: int = 20
+
+
+def main(args: HostPoolBenchConfig, json_path: Path | None = None) -> int:
     torch.set_num_threads(1)  # the I/O engine runs on one core of its own
 
     config = load_model_meta().config
     geometry = PoolGeometry.for_model(config, BLOCK, args.blocks * BLOCK, "float32")
     pool = SharedPool(geometry)
-    view = PoolView.attach(KVStore(pool).layout(), config.num_kv_heads, BLOCK, config.head_dim, torch.float32)
+    layout = KVStore(pool, engine=None).layout()  # the pool's layout only: no recall engine needed
+    view = PoolView.attach(layout, config.num_kv_heads, BLOCK, config.head_dim, torch.float32)
     try:
         heads, dim = config.num_kv_heads, config.head_dim
         device_k = torch.randn(args.batch, BLOCK, heads, dim)
@@ -69,10 +73,7 @@ def main() -> None:
         pool.close()
     for key, value in results.items():
         print(f"{key:24s} {value:.3f}" if isinstance(value, float) else f"{key:24s} {value}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json"}, **results}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"settings": dataclasses.asdict(args), **results}, indent=1))
+    return 0

@@ -8,13 +8,13 @@ requests decoded again and again on one loaded model), for each recall path:
 With the deadline, the wait includes the step's end, where the recalls it left behind land; the
 blocks attention went without are counted.
 
-    python -m pulseinfer.bench.layer_ahead [--requests 4] [--context 4096] [--output-tokens 32] [--budget 512]
-                                [--deadline-ms 0] [--paths worker,engine] [--json OUT]
+    pulseinfer bench layer-ahead [--requests 4] [--context 4096] [--output-tokens 32] [--budget 512]
+                                 [--hot-extra 0] [--deadline-ms 0] [--paths worker,engine] [--json OUT]
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import pydoc_data.topics
 import statistics
@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -29,7 +30,7 @@ import zmq
 from pulseinfer.bench.decode import agreement, serve
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
-from pulseinfer.gpu_worker.offload import HostTier, OffloadConfig
+from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
 from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.kv_store.client import KVStoreClient
 from pulseinfer.kv_store.view import PoolView
@@ -47,6 +48,17 @@ RUNS = (  # name, --layer-ahead, --suspend, with --deadline-ms
     ("layer_ahead_deadline", "on", "off", True),
 )
 WORKER_ID = 0
+
+
+@dataclass(frozen=True)
+class LayerAheadBenchConfig:
+    requests: int = 4
+    context: int = 4096
+    output_tokens: int = 32
+    budget: int = 512
+    hot_extra: int = 0  # hot-buffer tokens beyond the budget (layer-ahead fills them)
+    deadline_ms: float = 0.0
+    paths: str = "worker,engine"  # recall paths to compare: worker, engine
 
 
 @contextmanager
@@ -78,7 +90,7 @@ def decode(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> 
     return [tokens[i] for i in ids], [s.seconds for s in steps if all(len(c.token_ids) == 1 for c in s.plan.chunks)]
 
 
-def run_path(loaded: LoadedModel, host: HostTier | None, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[dict, list]:
+def run_path(loaded: LoadedModel, host: HostTier | None, args: LayerAheadBenchConfig, prompts: list[list[int]]) -> tuple[dict, list]:
     """Each run's measurements, and the synchronous run's tokens."""
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     results, tokens = {}, {}
@@ -116,20 +128,10 @@ def run_path(loaded: LoadedModel, host: HostTier | None, args: argparse.Namespac
     return results, tokens["synchronous"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--budget", type=int, default=512)
-    parser.add_argument("--hot-extra", type=int, default=0, help="hot-buffer tokens beyond the budget (layer-ahead fills them)")
-    parser.add_argument("--deadline-ms", type=float, default=0.0)
-    parser.add_argument("--paths", default="worker,engine", help="recall paths to compare: worker, engine")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+def main(args: LayerAheadBenchConfig, json_path: Path | None = None) -> int:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or set(paths) - {"worker", "engine"}:
-        parser.error(f"--paths takes worker and/or engine, got {args.paths!r}")
+        raise ValueError(f"--paths takes worker and/or engine, got {args.paths!r}")
     loaded = load_model()
     ids = loaded.tokenizer.encode(" ".join(pydoc_data.topics.topics.values()))
     stride = (len(ids) - args.context) // args.requests
@@ -145,11 +147,7 @@ def main() -> None:
                 results[path], tokens[path] = run_path(loaded, host, args, prompts)
     results["paths_agree"] = len({json.dumps(t) for t in tokens.values()}) == 1  # every path decodes the same tokens
     print(json.dumps({p: {n: results[p][n]["io_wait_ratio"] for n, *_ in RUNS[1:]} for p in paths}))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {k: v for k, v in vars(args).items() if k != "json"}
-        args.json.write_text(json.dumps({"settings": settings, **results}, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"settings": dataclasses.asdict(args), **results}, indent=1) + "\n")
+    return 0

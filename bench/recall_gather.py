@@ -1,7 +1,7 @@
 """Recall gather bandwidth: fragmented SoloHead selections vs a contiguous copy of the same
 bytes vs head-wise selections, side by side in one run, on one core (the I/O engine's).
 
-    python -m pulseinfer.bench.recall_gather [--requests 8] [--context 4096] [--fraction 0.1] [--json OUT]
+    pulseinfer bench recall-gather [--requests 8] [--context 4096] [--fraction 0.1] [--repeats 5] [--json OUT]
 
 Every request selects `fraction` of its host blocks per layer, at random (the least
 contiguous case). Per decode step and for every layer:
@@ -15,28 +15,30 @@ contiguous case). Per decode step and for every layer:
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pulseinfer.bench.timing import seconds_per_call
-from pulseinfer.gpu_worker.model.loader import load_model_meta
+from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.kernels.gather_scatter import recall_ref
 from pulseinfer.kv_store.view import PoolView
 
 BLOCK = 16
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--context", type=int, default=4096, help="host tokens per request")
-    parser.add_argument("--fraction", type=float, default=0.1, help="share of each request's host blocks selected per layer")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+@dataclass(frozen=True)
+class RecallGatherBenchConfig:
+    requests: int = 8
+    context: int = 4096  # host tokens per request
+    fraction: float = 0.1  # share of each request's host blocks selected per layer
+    repeats: int = 5
+
+
+def main(args: RecallGatherBenchConfig, json_path: Path | None = None) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
@@ -100,10 +102,7 @@ def main() -> None:
         results[f"{name}_over_contiguous"] = seconds["contiguous"] / seconds[name]
     for key, value in results.items():
         print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json"}, **results}, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"settings": dataclasses.asdict(args), **results}, indent=1) + "\n")
+    return 0

@@ -6,7 +6,7 @@ attention, then the scored positions with attention masked to what an offloaded 
 (sink, the top-`budget` host blocks by the scorer, the recent window). For the worker's scorers
 the perplexity is the engine's (tests/test_selection_scorers.py checks it against `eval ppl`).
 
-    python -m pulseinfer.bench.selection_scorers [--windows 16] [--context 4096] [--score-tokens 64]
+    pulseinfer bench selection-scorers [--windows 16] [--context 4096] [--score-tokens 64]
         [--budget 1024] [--scorers dense,quest,lowrank,softmax,center,quest-4,oracle] [--json OUT]
 
 Scorers (one selection per request and layer, over all query heads):
@@ -23,7 +23,6 @@ Scorers (one selection per request and layer, over all query heads):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -32,13 +31,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from pulseinfer.common.flags import add_flags, from_flags
+from pulseinfer.gpu_worker.forward import Mask, dense_forward
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases, prose
-from pulseinfer.gpu_worker.model.llama import LlamaModel, Mask, rms_norm
+from pulseinfer.gpu_worker.model.llama import LlamaModel
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
-from pulseinfer.gpu_worker.offload import OffloadConfig, OffloadGeometry
+from pulseinfer.gpu_worker.offload.config import OffloadConfig, OffloadGeometry
 from pulseinfer.gpu_worker.sparse import LowRankScorer
 from pulseinfer.kernels.scoring import quest_scores, quest_weights
 from pulseinfer.kernels.summary import block_minmax
@@ -155,12 +153,12 @@ def window_logprobs(model: LlamaModel, ids: list[int], score_tokens: int, masks:
     """Log-probabilities of the window's last `score_tokens` tokens, each predicted by a decode step
     as `eval ppl` runs it (the prompt is all but the last score_tokens + 1 tokens)."""
     start = len(ids) - score_tokens - 1
-    _, prefix = model.run_dense(ids[:start])
+    _, prefix = dense_forward(model, ids[:start])
     targets = torch.tensor(ids[start + 1 :])
     out = {}
     for name, mask in masks.items():
-        hidden, _ = model.run_dense(ids[start:-1], start, prefix, mask)
-        logits = F.linear(rms_norm(hidden, model.norm, model.config.rms_eps), model.lm_head).float()
+        hidden, _ = dense_forward(model, ids[start:-1], start, prefix, mask)
+        logits = model.logits(hidden)
         out[name] = torch.log_softmax(logits, dim=-1)[torch.arange(len(targets)), targets]
     return out
 
@@ -199,19 +197,12 @@ def _row(name: str, logprobs: torch.Tensor, dense: torch.Tensor) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(parser, ScorerStudyConfig)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    result = study(from_flags(ScorerStudyConfig, args))
+def main(config: ScorerStudyConfig, json_path: Path | None = None) -> int:
+    result = study(config)
     for r in result["scorers"]:
         low, high = r["over_dense_95"]
         print(f"{r['scorer']:8} ppl {r['perplexity']:.3f}  / dense {r['over_dense']:.4f}  (95% {low:.4f}..{high:.4f})")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+    return 0

@@ -59,7 +59,7 @@ def sample_prompts(config: ServeBenchConfig) -> list[list[int]]:
     """Token ids of the default model's tokenizer, cut at random offsets from Python's documentation."""
     import pydoc_data.topics
 
-    from pulseinfer.gpu_worker.model.loader import load_model_meta
+    from pulseinfer.common.model.meta import load_model_meta
 
     ids = load_model_meta().tokenizer.encode(" ".join(pydoc_data.topics.topics.values()), add_special=False)
     rng = random.Random(config.seed)

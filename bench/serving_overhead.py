@@ -6,25 +6,36 @@
 3. TTFT and TPOT of the HTTP path (gateway -> scheduler -> worker, streaming) against the
    in-process engine on the same prompts, one request at a time.
 
-    python -m pulseinfer.bench.serving_overhead [--requests 8] [--prompt-tokens 256] [--output-tokens 32] [--json OUT]
+Parts 2 and 3 start a `pulseinfer serve --workers 1` of their own on free ports (no API key) and
+stop it at the end.
+
+    pulseinfer bench serving-overhead [--requests 8] [--prompt-tokens 256] [--output-tokens 32] [--json OUT]
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import http.client
 import json
 import multiprocessing
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
+from pulseinfer.bench.cluster import ServingCluster
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
-from pulseinfer.serving_cluster import ServingCluster
 
 MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ServingOverheadBenchConfig:
+    requests: int = 8
+    prompt_tokens: int = 256
+    output_tokens: int = 32
 
 
 # ---------------------------------------------------------------- 1. transport
@@ -143,14 +154,7 @@ def _median(pairs: list[tuple[float, float]]) -> dict:
     return {"ttft_ms": statistics.median(p[0] for p in pairs) * 1e3, "tpot_ms": statistics.median(p[1] for p in pairs) * 1e3}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-
+def main(args: ServingOverheadBenchConfig, json_path: Path | None = None) -> int:
     transport = [transport_round_trip(b, c) for b, c in ((1, 512), (16, 4096), (64, 4096))]
     for t in transport:
         print(
@@ -158,7 +162,7 @@ def main() -> None:
             f"  p50 {t['p50_us']:7.1f} us  p99 {t['p99_us']:7.1f} us"
         )
 
-    from pulseinfer.gpu_worker.model.loader import load_model_meta
+    from pulseinfer.common.model.meta import load_model_meta
 
     prompt_sets = prompts(load_model_meta().tokenizer, args.requests, args.prompt_tokens)
     engine = _median(in_process(prompt_sets, args.output_tokens))
@@ -177,7 +181,7 @@ def main() -> None:
     ratios = {k: http_path[k] / engine[k] for k in engine}
     print(f"{'HTTP/engine':12s} {ratios['ttft_ms']:9.3f} {ratios['tpot_ms']:9.3f}")
     result = {
-        "settings": vars(args) | {"json": str(args.json) if args.json else None},
+        "settings": dataclasses.asdict(args) | {"json": str(json_path) if json_path else None},
         "transport": transport,
         "in_cluster_step_overhead_us": in_cluster_us,
         "in_process": engine,
@@ -185,10 +189,7 @@ def main() -> None:
         "http_over_in_process": ratios,
         "added_ms": {k: http_path[k] - engine[k] for k in engine},
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1))
+    return 0

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from pulseinfer.common.model.meta import ModelMeta
+from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gateway.metrics import GatewayMetrics
-from pulseinfer.gpu_worker.model.loader import ModelMeta
-from pulseinfer.gpu_worker.tokenizer import TextStream
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 from pulseinfer.scheduler.request import SamplingParams, check_token_ids
 from pulseinfer.scheduler.wire import params_to_proto

@@ -5,6 +5,20 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
+# RecallStats' fields (scheduler/plan.py), in order: WorkerStats carries each as recall_<field>,
+# /metrics as pulseinfer:recall_<field>_total (seconds spelled out)
+RECALL_HELP = {
+    "units": "Units recalled from the host pool: (block, layer), or (block, layer, head) head-wise.",
+    "transfers": "Contiguous host ranges read by recalls.",
+    "bytes": "Bytes recalled from the host pool.",
+    "wait_s": "Time the worker's compute was blocked on recalls.",
+    "prefetched_units": "Units recalled a layer ahead from a predicted query.",
+    "corrected_units": "Units the true query added to a layer-ahead selection.",
+    "io_busy_s": "Time the recall copies took (the link busy).",
+    "truncated_units": "Selected units attention ran without: their recall missed the layer's deadline.",
+    "suspended_rows": "Decode rows suspended at a layer for their recalls while the other rows attended.",
+    "resumed_layers": "Layers run apart by decode rows resuming after a suspension (layer cursors): each reads its weights again.",
+}
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 Labels = tuple[tuple[str, str], ...]
@@ -98,28 +112,9 @@ class GatewayMetrics:
         self.host_blocks_total = Gauge(p + "host_kv_blocks_total", "kv_store host KV blocks.")
         self.engine_recalls = Counter(p + "kv_store_engine_recalls_total", "Layer recalls the kv_store's I/O engine completed.")
         self.engine_busy = Counter(p + "kv_store_engine_busy_seconds_total", "Time the kv_store's I/O engine spent copying recalls.")
-        # WorkerStats fields copied as they are: recalls, and the offloading admission's inputs
+        # WorkerStats fields copied as they are: recalls (recall_<RecallStats field>), and the offloading admission's inputs
         self.by_field = {
-            "recall_units": Counter(
-                p + "recall_units_total", "Units recalled from the host pool: (block, layer), or (block, layer, head) head-wise."
-            ),
-            "recall_transfers": Counter(p + "recall_transfers_total", "Contiguous host ranges read by recalls."),
-            "recall_bytes": Counter(p + "recall_bytes_total", "Bytes recalled from the host pool."),
-            "recall_wait_s": Counter(p + "recall_wait_seconds_total", "Time the worker's compute was blocked on recalls."),
-            "recall_prefetched_units": Counter(p + "recall_prefetched_units_total", "Units recalled a layer ahead from a predicted query."),
-            "recall_corrected_units": Counter(p + "recall_corrected_units_total", "Units the true query added to a layer-ahead selection."),
-            "recall_io_busy_s": Counter(p + "recall_io_busy_seconds_total", "Time the recall copies took (the link busy)."),
-            "recall_truncated_units": Counter(
-                p + "recall_truncated_units_total", "Selected units attention ran without: their recall missed the layer's deadline."
-            ),
-            "recall_suspended_rows": Counter(
-                p + "recall_suspended_rows_total",
-                "Decode rows suspended at a layer for their recalls while the other rows attended.",
-            ),
-            "recall_resumed_layers": Counter(
-                p + "recall_resumed_layers_total",
-                "Layers run apart by decode rows resuming after a suspension (layer cursors): each reads its weights again.",
-            ),
+            **{f"recall_{name}": Counter(p + f"recall_{_seconds(name)}_total", text) for name, text in RECALL_HELP.items()},
             "link_bytes_per_s": Gauge(p + "admission_link_bytes_per_second", "Bandwidth the recalls achieved while copying (EMA)."),
             "recall_bytes_per_offloaded_step": Gauge(
                 p + "admission_recall_bytes_per_offloaded_step", "Recall bytes one offloaded request adds per decode step (EMA)."
@@ -179,6 +174,11 @@ class GatewayMetrics:
 
     def render(self) -> str:
         return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))] + list(self.by_field.values()))
+
+
+def _seconds(name: str) -> str:
+    """A field's name in Prometheus' units: wait_s -> wait_seconds."""
+    return name.removesuffix("_s") + "_seconds" if name.endswith("_s") else name
 
 
 def _used(total: int, free: int) -> float:

@@ -11,11 +11,11 @@ import uvicorn
 from pulseinfer.common import grpc_common
 from pulseinfer.common.api_key import resolve_api_key
 from pulseinfer.common.grpc_common import add_health_and_reflection, add_servicer, set_serving
+from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.gateway.core import GatewayCore
 from pulseinfer.gateway.grpc_api import SERVICE, GenerationService
 from pulseinfer.gateway.http_api import MAX_REQUEST_BYTES, HttpApi
 from pulseinfer.gateway.metrics import GatewayMetrics
-from pulseinfer.gpu_worker.model.loader import load_model_meta
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2_grpc
 
 log = logging.getLogger("gateway")

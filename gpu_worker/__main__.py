@@ -7,7 +7,7 @@ import zmq
 from pulseinfer.common.flags import parse_config
 from pulseinfer.common.proc import run_service, setup_logging, stop_on_signals
 from pulseinfer.gpu_worker.model.loader import load_model
-from pulseinfer.gpu_worker.offload import HostTier
+from pulseinfer.gpu_worker.offload.config import HostTier
 from pulseinfer.gpu_worker.server import Worker, WorkerServiceConfig
 from pulseinfer.kv_store.client import KVStoreClient
 from pulseinfer.kv_store.segments import sweep

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -71,6 +72,15 @@ class ForwardBatch:
             chunk_starts={seq_id: int(new[start]) for seq_id, start in self.chunk_starts.items() if keep[start]},
         )
         return batch, tokens
+
+
+class DecodePhase(NamedTuple):
+    """Decode rows that attend together at a layer, over their block tables."""
+
+    rows: torch.Tensor | None  # None: every decode row of the batch
+    tables: torch.Tensor  # [rows, max_blocks], or [rows, kv_heads, max_blocks] in headwise mode
+    lens: torch.Tensor
+    suspended: bool = False  # layer cursors: the rows leave the batch here and attend when they resume
 
 
 def token_slots(block_table: tuple[int, ...], start: int, end: int, block_size: int) -> torch.Tensor:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from pulseinfer.gpu_worker.model.llama import LlamaModel
-from pulseinfer.gpu_worker.tokenizer import Tokenizer
+from pulseinfer.common.model.tokenizer import Tokenizer
+from pulseinfer.gpu_worker.forward import dense_forward
+from pulseinfer.gpu_worker.model.base import DecoderModel
 
 
 def prose() -> str:
@@ -31,12 +32,12 @@ def calibration_ids(tokenizer: Tokenizer, tokens: int) -> list[int]:
     return ids[-tokens:]
 
 
-def key_bases(model: LlamaModel, ids: list[int], rank: int) -> torch.Tensor:
+def key_bases(model: DecoderModel, ids: list[int], rank: int) -> torch.Tensor:
     """[layers, kv_heads, head_dim, rank] fp32: each layer's and kv head's top `rank` right
     singular vectors of its keys over `ids` (columns: keys @ basis projects them)."""
     c = model.config
     if not 0 < rank <= c.head_dim:
         raise ValueError(f"--key-rank must be in [1, {c.head_dim}] (the head dim), got {rank}")
-    _, kv = model.run_dense(ids)
+    _, kv = dense_forward(model, ids)
     keys = torch.stack([k for k, _ in kv]).float().transpose(1, 2)  # [layers, kv_heads, tokens, dim]
     return torch.linalg.svd(keys, full_matrices=False).Vh[..., :rank, :].transpose(-1, -2).contiguous()

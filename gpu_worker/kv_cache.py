@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pulseinfer.gpu_worker.model.config import ModelConfig
-from pulseinfer.kv_store.client import SegmentHeader
+from pulseinfer.common.model.config import ModelConfig
+from pulseinfer.kv_store.client import recall_target
 from pulseinfer.kv_store.cuda_ipc import ExportedCache
-from pulseinfer.kv_store.engine import CacheShape
+from pulseinfer.kv_store.layout import CacheShape, SegmentHeader
 from pulseinfer.kv_store.segments import Segment, cache_name
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
@@ -54,7 +54,7 @@ class PagedKVCache:
         # masked NaN garbage would still poison the weighted sum of V. On CPU the fill also commits the
         # pool's pages at start-up (0.2-1.4 s a GB): faulted in lazily, their first writes fell in decode
         # steps (the first step of 14 offloaded requests, filling their hot buffers: 1.6 s instead of 0.5 s).
-        kv = torch.zeros((2, *self.shape.dims), dtype=dtype, device=device)
+        kv = torch.zeros(self.shape.kv_dims, dtype=dtype, device=device)
         self.k, self.v = kv[0], kv[1]
         if shared:
             self.completion = ExportedCache(kv)
@@ -62,10 +62,10 @@ class PagedKVCache:
     def recall_target(self, worker_id: int) -> pb.OpenRecallTarget:
         """What the kv_store needs to open this (shared) cache as worker `worker_id`'s recall target."""
         if isinstance(self.completion, ExportedCache):
-            return self.shape.target(worker_id, cuda=self.completion.message())
+            return recall_target(self.shape, worker_id, cuda=self.completion.message())
         if self.segment is None:
             raise ValueError("this KV cache is not shared with the kv_store")
-        return self.shape.target(worker_id)
+        return recall_target(self.shape, worker_id)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)

@@ -9,12 +9,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pulseinfer.gpu_worker.attention import attention_backend
 from pulseinfer.gpu_worker.batch import build_batch
+from pulseinfer.gpu_worker.forward import forward
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
 from pulseinfer.gpu_worker.model.llama import LlamaModel
 from pulseinfer.gpu_worker.model.loader import LoadedModel
-from pulseinfer.gpu_worker.offload import HostTier, OffloadConfig, OffloadManager
+from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
+from pulseinfer.gpu_worker.offload.manager import OffloadManager
 from pulseinfer.gpu_worker.sampler import sample
 from pulseinfer.gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
 from pulseinfer.kv_store.client import KVStoreUnavailable
@@ -73,6 +76,7 @@ class ModelRunner:
         shared = offloading and host.recall_engine is not None  # the kv_store's I/O engine recalls into it
         self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, shared)
         self.offload = self._offload_manager(host, loaded) if offloading else None
+        self.attention = attention_backend(self.cache, self.offload)
 
     def _offload_manager(self, host: HostTier, loaded: LoadedModel) -> OffloadManager:
         geometry = self.config.offload.geometry(self.config.block_size)
@@ -128,12 +132,11 @@ class ModelRunner:
             return StepOutcome([], failed)
         started, recalled = time.perf_counter(), self._recalled()
         batch = build_batch(plan, self.cache.spec.block_size, self.device)
-        offload = self.offload.begin(plan, batch) if self.offload is not None else None
+        attention = self.attention.begin(plan, batch)
         try:
-            logits = self.model.forward(batch, self.cache, offload)
+            logits = forward(self.model, batch, attention)
         finally:
-            if offload is not None:
-                offload.finish()
+            attention.finish()
         sampled = [c for c in plan.chunks if c.sampling is not None]
         picked = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
         tokens = []
@@ -143,7 +146,7 @@ class ModelRunner:
             else:
                 tokens.append(SampledToken(chunk.seq_id, token))
         recall = self._recalled() - recalled
-        compute_s = time.perf_counter() - started - recall.io_wait_s
+        compute_s = time.perf_counter() - started - recall.wait_s
         return StepOutcome(tokens, failed, recall, compute_s)
 
     def _recalled(self) -> RecallStats:

@@ -16,7 +16,7 @@ import zmq
 
 from pulseinfer.common.peer import PeerLoss
 from pulseinfer.gpu_worker.model.loader import LoadedModel
-from pulseinfer.gpu_worker.offload import HostTier
+from pulseinfer.gpu_worker.offload.config import HostTier
 from pulseinfer.gpu_worker.runner import ModelRunner, WorkerConfig
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.scheduler.wire import plan_from_proto, recall_to_proto, tokens_to_proto

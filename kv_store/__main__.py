@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pulseinfer.common.flags import parse_config
+from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.common.proc import run_service, setup_logging, stop_on_signals
-from pulseinfer.gpu_worker.model.loader import load_model_meta
-from pulseinfer.kv_store.pool import PoolGeometry
+from pulseinfer.kv_store.layout import PoolGeometry
 from pulseinfer.kv_store.server import KVStoreConfig, serve
 
 

@@ -3,21 +3,18 @@ recalls done by its I/O engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from array import array
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import zmq
 
 from pulseinfer.common.peer import PeerLoss, watch
 from pulseinfer.kv_store.allocator import PoolExhausted
+from pulseinfer.kv_store.layout import CacheShape, Completion  # no torch: the control API (probes) must not pay for it
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
-
-if TYPE_CHECKING:  # the control API (probes) must not pay for importing torch
-    import torch
-
-    from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 
 
 class KVStoreUnavailable(RuntimeError):
@@ -44,6 +41,21 @@ def pid_namespace() -> str:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""
+
+
+def recall_target(shape: CacheShape, worker_id: int, cuda: pb.CudaCache | None = None) -> pb.OpenRecallTarget:
+    """The request that opens a cache of this shape (the worker's cache segment, or exported from a
+    CUDA device) as worker `worker_id`'s recall target (kv_store/engine.py's shape_of reads it back)."""
+    return pb.OpenRecallTarget(worker_id=worker_id, cuda=cuda, **dataclasses.asdict(shape))
+
+
+class RecallCache(Protocol):
+    """What a worker's shared KV cache (gpu_worker/kv_cache.py's PagedKVCache) offers the I/O engine."""
+
+    @property
+    def completion(self) -> Completion: ...  # how a recall by the engine is known to have landed
+
+    def recall_target(self, worker_id: int) -> pb.OpenRecallTarget: ...
 
 
 class KVStoreClient:
@@ -94,7 +106,7 @@ class KVStoreClient:
     def open_recall(self, target: pb.OpenRecallTarget) -> None:
         self.call(pb.KVStoreRequest(open_recall=target))
 
-    def open_recall_engine(self, cache: PagedKVCache) -> RemoteRecall:
+    def open_recall_engine(self, cache: RecallCache) -> RemoteRecall:
         """Opens this worker's shared `cache` as the I/O engine's recall target; recalls then go through the result."""
         if self.worker_id is None:
             raise RuntimeError("register with the kv_store before opening a recall target")
@@ -112,33 +124,6 @@ class KVStoreClient:
         self._loss.close()
         self._watch.close()
         self._socket.close()
-
-
-class Completion(Protocol):
-    """How a worker learns that the engine's recall into its cache has landed."""
-
-    def last(self) -> int: ...  # the sequence of the last recall known to have landed
-
-    def issue(self) -> None: ...  # before a recall is sent
-
-    def landed(self, sequence: int) -> None: ...  # after the engine answered recall `sequence`
-
-
-class SegmentHeader:
-    """A CPU cache in shared memory: the engine writes each finished recall's sequence into its header."""
-
-    def __init__(self, header: torch.Tensor):
-        self.header = header
-
-    def last(self) -> int:
-        return int(self.header[0])
-
-    def issue(self) -> None:
-        pass
-
-    def landed(self, sequence: int) -> None:
-        if int(self.header[0]) != sequence:
-            raise RuntimeError(f"kv_store I/O engine answered recall {sequence} but the cache header says {int(self.header[0])}")
 
 
 class RemoteRecall:

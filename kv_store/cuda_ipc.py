@@ -15,15 +15,11 @@ for the copy. Two ways to move the bytes, chosen by fragment size:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from pulseinfer.kernels.gather_scatter import MappedHost, recall, recall_triton
+from pulseinfer.kv_store.layout import CacheShape
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
-
-if TYPE_CHECKING:
-    from pulseinfer.kv_store.engine import CacheShape
 
 STAGING_BYTES = 32 << 10  # fragments this size and up go staged; smaller ones mapped
 
@@ -39,7 +35,7 @@ class ExportedCache:
     """The worker's side: its KV cache and the events it synchronizes with the engine by."""
 
     def __init__(self, kv: torch.Tensor):
-        self.kv = kv  # [2, num_layers, slots, kv_heads, head_dim]
+        self.kv = kv  # CacheShape.kv_dims: [2, num_layers, slots, kv_heads, head_dim]
         self.stream = torch.cuda.current_stream(kv.device)  # the compute stream: attention reads recalls on it
         self.ready_event = torch.cuda.Event(interprocess=True)
         self.landed_event = torch.cuda.Event(interprocess=True)
@@ -105,7 +101,7 @@ class CudaTarget:
         message = request.cuda
         self.shape = shape
         self.device = torch.device("cuda", message.device)
-        needed = 2 * torch.Size(shape.dims).numel() * dtype.itemsize
+        needed = shape.kv_bytes(dtype)
         if message.storage_bytes < needed:
             raise ValueError(f"worker {request.worker_id}'s CUDA cache is {message.storage_bytes} bytes, its shape needs {needed}")
         try:
@@ -126,7 +122,7 @@ class CudaTarget:
                 f"worker {request.worker_id}'s CUDA IPC handles did not open ({e}): the worker and the kv_store must see the same "
                 "GPU and share the host's IPC namespace (docker-compose: ipc: host)"
             ) from e
-        kv = torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, (2, *shape.dims))
+        kv = torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, shape.kv_dims)
         self.k, self.v = kv[0], kv[1]
         self.staging_min_bytes = staging_min_bytes
         self.stream = torch.cuda.Stream(self.device)

@@ -13,11 +13,9 @@ engine and an idle worker spin on nothing).
 from __future__ import annotations
 
 import dataclasses
-import math
 import mmap
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -25,45 +23,17 @@ from google.protobuf.message import DecodeError
 
 from pulseinfer.kernels.gather_scatter import recall
 from pulseinfer.kv_store.cuda_ipc import CudaTarget
-from pulseinfer.kv_store.pool import PoolGeometry, unit_bytes
+from pulseinfer.kv_store.layout import CacheShape, PoolGeometry, unit_bytes
 from pulseinfer.kv_store.segments import open_segment
 from pulseinfer.kv_store.view import cuda_host_register, register_host_range, unregister_host_ranges
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 POLL_MS = 200  # how soon a shutdown signal is noticed
-HEADER_BYTES = 4096  # int64 [0]: sequence of the last completed recall; a page, so K starts aligned
 
 
-@dataclass(frozen=True)
-class CacheShape:
-    num_layers: int
-    slots: int
-    kv_heads: int
-    head_dim: int
-    block_size: int
-
-    def target(self, worker_id: int, cuda: pb.CudaCache | None = None) -> pb.OpenRecallTarget:
-        """The request that opens a cache of this shape (the worker's cache segment, or exported from a
-        CUDA device) as a recall target."""
-        return pb.OpenRecallTarget(worker_id=worker_id, cuda=cuda, **dataclasses.asdict(self))
-
-    @classmethod
-    def of_target(cls, request: pb.OpenRecallTarget) -> CacheShape:
-        return cls(**{f.name: getattr(request, f.name) for f in dataclasses.fields(cls)})
-
-    @property
-    def dims(self) -> tuple[int, int, int, int]:
-        """K's (and V's) tensor shape: [num_layers, slots, kv_heads, head_dim]."""
-        return (self.num_layers, self.slots, self.kv_heads, self.head_dim)
-
-    def segment_bytes(self, dtype: torch.dtype) -> int:
-        return HEADER_BYTES + 2 * math.prod(self.dims) * dtype.itemsize
-
-    def tensors(self, buffer: mmap.mmap, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(header, k, v) over a cache segment; k and v: [num_layers, slots, kv_heads, head_dim]."""
-        header = torch.frombuffer(buffer, dtype=torch.int64, count=HEADER_BYTES // 8)
-        kv = torch.frombuffer(buffer, dtype=dtype, offset=HEADER_BYTES).view(2, *self.dims)
-        return header, kv[0], kv[1]
+def shape_of(request: pb.OpenRecallTarget) -> CacheShape:
+    """The shape of the cache `request` opens (kv_store/client.py's recall_target writes it)."""
+    return CacheShape(**{f.name: getattr(request, f.name) for f in dataclasses.fields(CacheShape)})
 
 
 def int64s(values: bytes) -> torch.Tensor:
@@ -74,7 +44,7 @@ class SharedTarget:
     """A CPU worker's KV cache, mapped by the kv_store."""
 
     def __init__(self, request: pb.OpenRecallTarget, segment: str, dtype: torch.dtype):
-        self.shape = CacheShape.of_target(request)
+        self.shape = shape_of(request)
         self._map = open_segment(segment, self.shape.segment_bytes(dtype))
         self.header, self.k, self.v = self.shape.tensors(self._map, dtype)
 
@@ -125,7 +95,7 @@ class RecallEngine:
                 self._pinned = register_host_range(self.pool.data_ptr(), self.pool.numel() * self.pool.element_size(), cuda_host_register)
             except RuntimeError as e:
                 raise ValueError(f"{e} (is the kv_store's memlock limit unlimited?)") from e
-        return CudaTarget(request, CacheShape.of_target(request), self.dtype, self.staging_min_bytes)
+        return CudaTarget(request, shape_of(request), self.dtype, self.staging_min_bytes)
 
     def drop(self, worker_id: int) -> None:
         """Unmaps a worker's cache."""

@@ -20,7 +20,8 @@ from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator, Pool
 from pulseinfer.kv_store.client import io_address, pid_namespace
 from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES
 from pulseinfer.kv_store.engine import RecallEngine
-from pulseinfer.kv_store.pool import PoolGeometry, SharedPool, pid_alive
+from pulseinfer.kv_store.layout import PoolGeometry
+from pulseinfer.kv_store.pool import SharedPool, pid_alive
 from pulseinfer.kv_store.segments import cache_name, sweep
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 

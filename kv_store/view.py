@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from pulseinfer.kv_store.pool import prefault, unit_bytes
+from pulseinfer.kv_store.layout import unit_bytes
+from pulseinfer.kv_store.pool import prefault
 from pulseinfer.kv_store.segments import open_segment
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2
 

@@ -96,6 +96,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub) -> None:
+    from pulseinfer.bench import dense_decode, host_pool, layer_ahead, recall_gather, selection_scorers, serving_overhead
     from pulseinfer.bench.decode import DecodeBenchConfig
     from pulseinfer.bench.serve import ServeBenchConfig
     from pulseinfer.bench.soak import SoakConfig
@@ -115,6 +116,38 @@ def _bench_parser(sub) -> None:
     add_flags(soak, SoakConfig)
     soak.add_argument("--json", type=Path, help="write the report here")
     soak.set_defaults(handler=_bench_soak)
+    for name, module, config, help_text in (  # the studies behind docs/benchmarks.md and docs/accuracy.md
+        ("dense-decode", dense_decode, dense_decode.DenseDecodeBenchConfig, "dense decode tok/s of the engine against HF transformers"),
+        (
+            "serving-overhead",
+            serving_overhead,
+            serving_overhead.ServingOverheadBenchConfig,
+            "what the process split costs: scheduler<->worker round trip, HTTP path vs the in-process engine (starts its own server)",
+        ),
+        ("host-pool", host_pool, host_pool.HostPoolBenchConfig, "host KV pool write-back and read-back bandwidth vs a contiguous copy"),
+        (
+            "recall-gather",
+            recall_gather,
+            recall_gather.RecallGatherBenchConfig,
+            "fragmented SoloHead recalls vs a contiguous copy of the same bytes vs head-wise recalls",
+        ),
+        (
+            "layer-ahead",
+            layer_ahead,
+            layer_ahead.LayerAheadBenchConfig,
+            "the compute's wait on recalls: synchronous, suspension, layer cursors, layer-ahead, a recall deadline",
+        ),
+        (
+            "selection-scorers",
+            selection_scorers,
+            selection_scorers.ScorerStudyConfig,
+            "block scorers (low-rank, Quest, variants, an oracle) on teacher-forced perplexity",
+        ),
+    ):
+        study = kinds.add_parser(name, help=help_text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_flags(study, config)
+        study.add_argument("--json", type=Path, help="write the results here")
+        study.set_defaults(handler=_bench_study, study_config=config, study_main=module.main)
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
@@ -133,6 +166,10 @@ def _bench_soak(args: argparse.Namespace) -> int:
     from pulseinfer.bench.soak import SoakConfig, main
 
     return main(from_flags(SoakConfig, args), args.json)
+
+
+def _bench_study(args: argparse.Namespace) -> int:
+    return args.study_main(from_flags(args.study_config, args), args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
-from pulseinfer.gpu_worker.offload import HostTier
+from pulseinfer.gpu_worker.offload.config import HostTier
 from pulseinfer.gpu_worker.runner import ModelRunner, Pick, WorkerConfig
 from pulseinfer.gpu_worker.sparse import check_mode
-from pulseinfer.gpu_worker.tokenizer import TextStream
 from pulseinfer.kv_store.allocator import BlockAllocator
 from pulseinfer.kv_store.view import PoolView
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
@@ -265,23 +265,9 @@ class SchedulerCore:
             offloaded=sum(1 for s in w.batcher.running if s.offloaded),
             offloaded_admissions=w.batcher.num_offloaded,
             integrity_error=_integrity_error(w.allocator),
-            **dict(zip(RECALL_STATS_FIELDS, astuple(c.recall))),
+            **{f"recall_{name}": count for name, count in asdict(c.recall).items()},  # WorkerStats' names for RecallStats' fields
             **_admission_stats(w.batcher),
         )
-
-
-RECALL_STATS_FIELDS = (  # WorkerStats' names for RecallStats' fields, in order
-    "recall_units",
-    "recall_transfers",
-    "recall_bytes",
-    "recall_wait_s",
-    "recall_prefetched_units",
-    "recall_corrected_units",
-    "recall_io_busy_s",
-    "recall_truncated_units",
-    "recall_suspended_rows",
-    "recall_resumed_layers",
-)
 
 
 def _admission_stats(batcher: Batcher) -> dict[str, float]:

@@ -58,7 +58,7 @@ class RecallStats:
     units: int = 0  # (block, layer) units; (block, layer, head) in headwise mode
     transfers: int = 0  # contiguous host ranges read
     bytes: int = 0
-    io_wait_s: float = 0.0  # compute blocked on recalls
+    wait_s: float = 0.0  # compute blocked on recalls
     prefetched_units: int = 0  # recalled ahead of their layer from a predicted query
     corrected_units: int = 0  # recalled at their layer: the prediction missed them
     io_busy_s: float = 0.0  # time the copies took, wherever they ran: the link's bandwidth is bytes / io_busy_s

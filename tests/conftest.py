@@ -11,8 +11,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from pulseinfer.common.model.meta import default_model_path
 from pulseinfer.engine import Engine, EngineConfig
-from pulseinfer.gpu_worker.model.loader import LoadedModel, default_model_path, load_model
+from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 
 torch.set_num_threads(2)
 

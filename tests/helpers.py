@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pulseinfer.gpu_worker.batch import build_batch
+from pulseinfer.gpu_worker.forward import forward
 from pulseinfer.gpu_worker.runner import ModelRunner
 from pulseinfer.scheduler.plan import Chunk, SamplingSpec, StepPlan
 
@@ -20,6 +21,7 @@ def last_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -
     for start in range(0, len(ids), chunk):
         end = min(len(ids), start + chunk)
         plan = StepPlan(0, (Chunk("t", tuple(ids[start:end]), start, table, GREEDY if end == len(ids) else None),))
-        out = runner.model.forward(build_batch(plan, block, runner.device), runner.cache)
+        batch = build_batch(plan, block, runner.device)
+        out = forward(runner.model, batch, runner.attention.begin(plan, batch))
         logits = out[0] if out.shape[0] else logits
     return logits

@@ -27,10 +27,10 @@ from http.client import HTTPException, HTTPResponse
 import grpc
 import pytest
 from google.protobuf.message import Message
+from serving_cluster import ServingCluster
 
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2 as pb
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2_grpc
-from pulseinfer.serving_cluster import ServingCluster
 
 API_KEY = "hostile-inputs-key"
 MODEL = "SmolLM2-135M-Instruct"

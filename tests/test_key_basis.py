@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pulseinfer.gpu_worker.forward import dense_forward
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
 from pulseinfer.gpu_worker.model.llama import LlamaModel
 
@@ -20,7 +21,7 @@ def test_bases_are_orthonormal_and_capture_the_keys_better_than_a_random_subspac
     torch.testing.assert_close(
         bases.transpose(-1, -2) @ bases, torch.eye(rank).expand(c.num_layers, c.num_kv_heads, -1, -1), atol=1e-5, rtol=0
     )
-    _, kv = llama.run_dense(ids)
+    _, kv = dense_forward(llama, ids)
     keys = kv[5][0].transpose(0, 1)  # layer 5: [kv_heads, tokens, dim]
     random = torch.linalg.qr(torch.randn(c.num_kv_heads, c.head_dim, rank, generator=torch.Generator().manual_seed(0))).Q
     kept, kept_random = ((keys @ b).square().sum() / keys.square().sum() for b in (bases[5], random))

@@ -14,13 +14,13 @@ import pytest
 import torch
 import zmq
 
+from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
-from pulseinfer.gpu_worker.model.loader import load_model_meta
 from pulseinfer.kernels.gather_scatter import recall_ref
 from pulseinfer.kv_store.allocator import PoolExhausted
-from pulseinfer.kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall, SegmentHeader
+from pulseinfer.kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall, recall_target
 from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES, Staging, staged
-from pulseinfer.kv_store.engine import CacheShape
+from pulseinfer.kv_store.layout import CacheShape, SegmentHeader
 from pulseinfer.kv_store.view import CUDA_REGISTER_CHUNK, PoolMismatch, PoolView, register_host_range
 from pulseinfer.launcher import Child, start_kv_store
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
@@ -151,7 +151,7 @@ TARGET_HOLDER = textwrap.dedent(
     """
     import sys, time, torch, zmq
     from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
-    from pulseinfer.gpu_worker.model.loader import load_model_meta
+    from pulseinfer.common.model.meta import load_model_meta
     from pulseinfer.kv_store.client import KVStoreClient
     client = KVStoreClient(zmq.Context.instance(), sys.argv[1])
     client.register(worker_id=9)
@@ -228,7 +228,7 @@ def test_a_cuda_cache_is_refused_clearly_where_it_cannot_be_opened(kv_store):
     try:
         client.register(worker_id=8)
         cuda = pb.CudaCache(device=0, memory_handle=b"not a handle", storage_bytes=1 << 30, ready_event=b"x", landed_event=b"y")
-        target = CacheShape(30, 64, KV_HEADS, HEAD_DIM, BLOCK).target(8, cuda=cuda)
+        target = recall_target(CacheShape(30, 64, KV_HEADS, HEAD_DIM, BLOCK), 8, cuda=cuda)
         expected = "CUDA IPC handles did not open" if torch.cuda.is_available() else "sees no CUDA device"
         with pytest.raises(ValueError, match=expected):
             client.open_recall(target)

@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+from serving_cluster import ServingCluster
 
 from pulseinfer import cli
 from pulseinfer.common.api_key import API_KEY_ENV, resolve_api_key
 from pulseinfer.common.flags import parse_config
 from pulseinfer.gateway.server import GatewayConfig
 from pulseinfer.launcher import Cluster, ServeConfig
-from pulseinfer.serving_cluster import ServingCluster
 
 
 def _alive(pid: int) -> bool:

@@ -10,9 +10,13 @@ import pytest
 import torch
 
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker import forward
 from pulseinfer.gpu_worker.batch import pad_tables
-from pulseinfer.gpu_worker.model.llama import Cohort, LlamaModel
-from pulseinfer.gpu_worker.offload import HotBuffers, OffloadConfig, OffloadStep, by_rank
+from pulseinfer.gpu_worker.forward import Cohort
+from pulseinfer.gpu_worker.offload.config import OffloadConfig
+from pulseinfer.gpu_worker.offload.hot import HotBuffers
+from pulseinfer.gpu_worker.offload.recall import HostCopier
+from pulseinfer.gpu_worker.offload.selection import by_rank
 from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.gpu_worker.sparse import BlockSummaries, LowRankScorer, QuestScorer, select_blocks
 from pulseinfer.kernels.scoring import lowrank_scores
@@ -51,10 +55,10 @@ def test_full_budget_offload_equals_dense_at_2k_and_4k(model, corpus):
     assert [c.token_ids for c in offloaded] == [c.token_ids for c in dense]
     assert all(c.offloaded for c in offloaded)
     stats = offloaded_engine.runner.offload.stats()
-    assert stats["prefetched_units"] > 0 and stats["suspended_rows"] > 0
+    assert stats["recall"]["prefetched_units"] > 0 and stats["recall"]["suspended_rows"] > 0
     stored = [len(p) + GREEDY_32.max_tokens - 1 for p in prompts]  # the last sampled token's KV is never computed
     assert stats["written_blocks"] == sum(n // 16 - 64 // 16 for n in stored)  # every full block past the sink, once
-    assert stats["recalled_units"] > 0
+    assert stats["recall"]["units"] > 0
     _assert_all_freed(offloaded_engine)
     # head-wise selection over every block attends the same keys, one table per kv head
     headwise = _engine(model, "always", 16384, mode="headwise", sink=64, recent=256, budget=4096).generate(prompts, GREEDY_32)
@@ -86,8 +90,8 @@ def test_full_budget_offload_equals_dense_on_cuda(model, corpus):
 def _record_cohorts(monkeypatch) -> list[Cohort]:
     """Every cohort the model runs from now on: a step's own, then any of rows suspended in it."""
     cohorts = []
-    run = LlamaModel._run
-    monkeypatch.setattr(LlamaModel, "_run", lambda self, cohort, *args: cohorts.append(cohort) or run(self, cohort, *args))
+    run = forward.run_cohort
+    monkeypatch.setattr(forward, "run_cohort", lambda model, cohort, *args: cohorts.append(cohort) or run(model, cohort, *args))
     return cohorts
 
 
@@ -143,8 +147,10 @@ def test_layer_cursors_resume_suspended_rows_at_their_layer_with_the_dense_token
     assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in dense]
     suspended = _suspended_cohorts(cohorts)
     stats = engine.runner.offload.stats()
-    assert suspended and stats["suspended_rows"] > 0
-    assert stats["resumed_layers"] == sum(model.config.num_layers - c.layer for c in suspended)  # every layer a resumed cohort ran apart
+    assert suspended and stats["recall"]["suspended_rows"] > 0
+    assert stats["recall"]["resumed_layers"] == sum(
+        model.config.num_layers - c.layer for c in suspended
+    )  # every layer a resumed cohort ran apart
     _assert_all_freed(engine)
 
 
@@ -186,29 +192,29 @@ def test_recall_deadline_that_never_expires_changes_nothing(model, corpus):
     engine = _engine(model, "always", 16384, sink=32, recent=64, budget=2048, layer_ahead="on", recall_deadline_ms=60_000.0)
     assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in dense]
     stats = engine.runner.offload.stats()
-    assert stats["recalled_units"] > 0 and stats["truncated_units"] == 0
+    assert stats["recall"]["units"] > 0 and stats["recall"]["truncated_units"] == 0
     _assert_all_freed(engine)
 
 
 def test_recall_deadline_attends_over_what_landed_and_counts_the_rest(model, corpus, monkeypatch):
     """A link slower than the deadline: attention leaves out the blocks still in flight (counted),
     the step waits for them before it ends, and the next steps find them in the hot buffer."""
-    copy = OffloadStep._copy
+    copy = HostCopier.__call__
 
-    def slow_copy(step, layer, cache, recalls):
+    def slow_copy(copier, layer, recalls):
         time.sleep(0.002)
-        copy(step, layer, cache, recalls)
+        copy(copier, layer, recalls)
 
-    monkeypatch.setattr(OffloadStep, "_copy", slow_copy)
+    monkeypatch.setattr(HostCopier, "__call__", slow_copy)
     prompts = [corpus[:1000], corpus[7000:8300]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     engine = _engine(model, "always", 16384, sink=32, recent=64, budget=256, layer_ahead="off", recall_deadline_ms=0.0)
     done = engine.generate(prompts, params)
     assert all(len(c.token_ids) == 6 and c.error == "" for c in done)
     stats = engine.runner.offload.stats()
-    assert 0 < stats["truncated_units"] <= stats["recalled_units"]
+    assert 0 < stats["recall"]["truncated_units"] <= stats["recall"]["units"]
     steps = len(prompts) * (params.max_tokens - 1)  # decode rows; the prefill samples the first token
-    assert stats["recalled_units"] < steps * 30 * (256 // 16) // 2  # landed late, kept: later steps recall only new misses
+    assert stats["recall"]["units"] < steps * 30 * (256 // 16) // 2  # landed late, kept: later steps recall only new misses
     _assert_all_freed(engine)
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
-
-from pulseinfer.serving_cluster import ServingCluster
+from serving_cluster import ServingCluster
 
 MODEL = "SmolLM2-135M-Instruct"
 TEXT = " ".join(pydoc_data.topics.topics.values())

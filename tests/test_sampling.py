@@ -1,7 +1,7 @@
 import torch
 
+from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gpu_worker.sampler import UNSAMPLEABLE, sample
-from pulseinfer.gpu_worker.tokenizer import TextStream
 from pulseinfer.scheduler.plan import SamplingSpec
 from pulseinfer.scheduler.request import FinishReason, SamplingParams
 
@@ -102,18 +102,18 @@ def test_unsampleable_logits_fail_only_their_request(engine, monkeypatch):
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     params = [greedy, SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True), greedy]
     expected = engine.generate([prompts[0], prompts[2]], greedy)
-    forward = engine.runner.model.forward
+    logits_of = engine.runner.model.logits
     broken: set[str] = set()
 
     def nan_for_broken(*args, **kwargs):
-        logits = forward(*args, **kwargs).clone()  # an inference tensor: no in-place writes
+        logits = logits_of(*args, **kwargs).clone()  # an inference tensor: no in-place writes
         sampled = [c.seq_id for c in engine.last_plan.chunks if c.sampling is not None]
         for row, seq_id in enumerate(sampled):
             if seq_id in broken:
                 logits[row] = float("nan")
         return logits
 
-    monkeypatch.setattr(engine.runner.model, "forward", nan_for_broken)
+    monkeypatch.setattr(engine.runner.model, "logits", nan_for_broken)
     ids = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
     broken.add(ids[1])
     done = {}

@@ -130,3 +130,20 @@ def test_a_plan_the_socket_refused_is_sent_again_not_lost():
     assert again_to == identity and again == message and core.take_unsent() == []
     answer(core, [(again_to, again)])
     assert out[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+def test_each_recall_counter_has_one_name_from_the_worker_to_metrics():
+    """RecallStats' fields are the worker's counters, the proto's RecallStats fields, WorkerStats'
+    recall_<field> and /metrics' pulseinfer:recall_<field>_total: no hand-kept map between them."""
+    from pulseinfer.gateway.metrics import RECALL_HELP, GatewayMetrics
+    from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
+    from pulseinfer.scheduler.plan import RECALL_FIELDS
+
+    assert tuple(RECALL_HELP) == RECALL_FIELDS
+    assert tuple(f.name for f in worker_pb2.RecallStats.DESCRIPTOR.fields) == RECALL_FIELDS
+    worker_fields = {f.name for f in generate_pb2.WorkerStats.DESCRIPTOR.fields}
+    assert {f"recall_{name}" for name in RECALL_FIELDS} <= worker_fields
+    rendered = GatewayMetrics().render()
+    for name in RECALL_FIELDS:
+        metric = "recall_" + (name.removesuffix("_s") + "_seconds" if name.endswith("_s") else name)
+        assert f"# TYPE pulseinfer:{metric}_total counter" in rendered

@@ -10,7 +10,7 @@ import pytest
 from pulseinfer.bench.selection_scorers import ScorerStudyConfig, study
 from pulseinfer.engine import EngineConfig
 from pulseinfer.evals import PerplexityConfig, evaluate
-from pulseinfer.gpu_worker.offload import OffloadConfig
+from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.gpu_worker.runner import WorkerConfig
 
 

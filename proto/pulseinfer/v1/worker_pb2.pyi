@@ -73,11 +73,11 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class RecallStats(_message.Message):
-    __slots__ = ("units", "transfers", "bytes", "io_wait_s", "prefetched_units", "corrected_units", "io_busy_s", "truncated_units", "suspended_rows", "resumed_layers")
+    __slots__ = ("units", "transfers", "bytes", "wait_s", "prefetched_units", "corrected_units", "io_busy_s", "truncated_units", "suspended_rows", "resumed_layers")
     UNITS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
-    IO_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PREFETCHED_UNITS_FIELD_NUMBER: _ClassVar[int]
     CORRECTED_UNITS_FIELD_NUMBER: _ClassVar[int]
     IO_BUSY_S_FIELD_NUMBER: _ClassVar[int]
@@ -87,14 +87,14 @@ class RecallStats(_message.Message):
     units: int
     transfers: int
     bytes: int
-    io_wait_s: float
+    wait_s: float
     prefetched_units: int
     corrected_units: int
     io_busy_s: float
     truncated_units: int
     suspended_rows: int
     resumed_layers: int
-    def __init__(self, units: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., prefetched_units: _Optional[int] = ..., corrected_units: _Optional[int] = ..., io_busy_s: _Optional[float] = ..., truncated_units: _Optional[int] = ..., suspended_rows: _Optional[int] = ..., resumed_layers: _Optional[int] = ...) -> None: ...
+    def __init__(self, units: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., wait_s: _Optional[float] = ..., prefetched_units: _Optional[int] = ..., corrected_units: _Optional[int] = ..., io_busy_s: _Optional[float] = ..., truncated_units: _Optional[int] = ..., suspended_rows: _Optional[int] = ..., resumed_layers: _Optional[int] = ...) -> None: ...
 
 class SequenceError(_message.Message):
     __slots__ = ("seq_id", "error")

@@ -1,8 +1,14 @@
-"""Runs `pulseinfer serve` as a real process tree, for the service tests and the serving benchmarks."""
+"""`pulseinfer serve` as a real child process tree on free ports: what the serving benches start,
+and the base of the service tests' cluster (tests/serving_cluster.py adds the test-only helpers).
+
+The API key, when there is one, goes to the child in the environment only (never in argv, where
+`ps` shows it); an inherited one is stripped, so a cluster without a key has none. The child's
+stderr goes to a log file under $TMPDIR named by the HTTP port; its tail is in the error when the
+cluster does not become ready.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,7 +21,7 @@ from pathlib import Path
 
 from pulseinfer.common.api_key import API_KEY_ENV
 
-READY_LINE = "PulseInfer is serving"
+READY_LINE = "PulseInfer is serving"  # the launcher prints it on stdout once every service answers
 
 
 def free_port() -> int:
@@ -25,6 +31,8 @@ def free_port() -> int:
 
 
 class ServingCluster:
+    """Starts `pulseinfer serve *flags` and returns once it prints READY_LINE; stop() ends it."""
+
     def __init__(self, *flags: str, api_key: str | None = None, startup_timeout_s: float = 240.0):
         self.http_port, self.grpc_port = free_port(), free_port()
         self.api_key = api_key
@@ -66,58 +74,30 @@ class ServingCluster:
         self.stop()
         raise RuntimeError(f"pulseinfer serve did not become ready; its log:\n{self.log_path.read_text()[-4000:]}")
 
-    def children(self) -> dict[str, int]:
-        """Service name -> pid of the launcher's children, read from /proc."""
-        found = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.process.pid and len(cmdline) > 2 and cmdline[1] == b"-m":
-                name = cmdline[2].decode().removeprefix("pulseinfer.")
-                if name == "gpu_worker":
-                    name += cmdline[cmdline.index(b"--worker-id") + 1].decode()
-                found[name] = int(entry.name)
-        return found
-
-    def request(self, path: str, body: bytes | dict | None = None, key: str | None = "default") -> tuple[int, dict | str]:
-        """HTTP with urllib: returns (status, parsed JSON or text) for error statuses too."""
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        headers = {"Content-Type": "application/json"}
+    def http(
+        self, path: str, data: bytes | None = None, headers: dict[str, str] | None = None, key: str | None = "default"
+    ) -> tuple[int, bytes]:
+        """One HTTP request with urllib (POST when there is data): (status, body), for error statuses too.
+        It carries the cluster's API key unless `key` names another one, or None for none."""
+        headers = dict(headers or {})
         key = self.api_key if key == "default" else key
         if key:
             headers["Authorization"] = f"Bearer {key}"
         req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method="POST" if data is not None else "GET")
         try:
             with urllib.request.urlopen(req, timeout=120) as response:
-                status, raw = response.status, response.read()
+                return response.status, response.read()
         except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
-        try:
-            return status, json.loads(raw)
-        except json.JSONDecodeError:
-            return status, raw.decode()
+            return e.code, e.read()
 
     def metric(self, name: str, **labels: str) -> float | None:
-        _, text = self.request("/metrics")
+        """The value of the sample `pulseinfer:<name>{labels}` on /metrics, or None without one."""
+        _, raw = self.http("/metrics")
         want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-        for line in text.splitlines():
+        for line in raw.decode().splitlines():
             if line.startswith(f"pulseinfer:{name}{want} "):
                 return float(line.rsplit(" ", 1)[1])
         return None
-
-    def wait_for(self, predicate, timeout_s: float = 60.0, what: str = "condition"):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if value := predicate():
-                return value
-            time.sleep(0.2)
-        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.process.poll() is None:

@@ -1,0 +1,173 @@
+"""The worker's offloaded requests over their lives: admitted (state and host blocks readied),
+stepped, released; dropped together when the scheduler or the kv_store that held them goes away,
+and the pool of a restarted kv_store mapped anew."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
+
+from pulseinfer.gpu_worker.batch import ForwardBatch
+from pulseinfer.gpu_worker.kv_cache import PagedKVCache
+from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
+from pulseinfer.gpu_worker.offload.counters import RecallCounters
+from pulseinfer.gpu_worker.offload.hot import HotBuffers
+from pulseinfer.gpu_worker.offload.layout import OffloadedSeq
+from pulseinfer.gpu_worker.offload.recall import HostCopier, RecallQueue
+from pulseinfer.gpu_worker.offload.step import OffloadStep, StepContext
+from pulseinfer.gpu_worker.sparse import AttentionMass, BlockSummaries, Scorer
+from pulseinfer.kernels.attention import GatherWorkspace
+from pulseinfer.kv_store.allocator import PoolExhausted
+from pulseinfer.kv_store.client import HostPoolLost, KVStoreUnavailable
+from pulseinfer.scheduler.plan import Chunk, RecallStats, StepPlan
+
+
+class OffloadManager:
+    """The worker's offloaded requests: their states and host blocks, and each step's context."""
+
+    def __init__(self, config: OffloadConfig, cache: PagedKVCache, host: HostTier, scorer: Scorer, per_head: bool = False):
+        self.scorer = scorer
+        self.geometry = config.geometry(cache.spec.block_size)
+        self.policy = config.policy(cache.k.device, per_head)
+        self.cache = cache
+        self.host = host
+        self.view = host.view
+        self.remote = host.recall_engine(cache) if host.recall_engine is not None else None
+        self.mass = AttentionMass() if config.measure_attention_mass else None
+        # the I/O engine of this worker: one thread, so recalls run while the compute thread goes on
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulseinfer-io")
+        self.workspace = GatherWorkspace()  # the attention-mass measurement's context gathers
+        self.seqs: dict[str, OffloadedSeq] = {}
+        num_layers = cache.shape.num_layers
+        self.hot = HotBuffers(num_layers, scorer.kv_heads if per_head else 1, self.geometry, cache.k.device)
+        self.counters = RecallCounters(num_layers)
+
+    def close(self) -> None:
+        self.io.shutdown()
+        if self.remote is not None:
+            self.remote.close()
+
+    @property
+    def recall(self) -> RecallStats:
+        return self.counters.snapshot()
+
+    def release_all(self) -> None:
+        """Frees every offloaded request's state and host blocks: the scheduler that planned them is gone."""
+        self.release(list(self.seqs))
+
+    def detach(self) -> None:
+        """The kv_store died: every offloaded request's KV went with its pool. Drops their states and
+        unmaps the pool now (it holds the dead pool's memory); the next offloaded request maps the
+        new one. Between steps only: a step in flight reads the mapping."""
+        self._drop_seqs()
+        if self.view is not None:
+            self.view.close()
+            self.view = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
+
+    def _drop_seqs(self) -> None:
+        for seq in self.seqs.values():
+            self.hot.remove(seq.hot_row)
+        self.seqs.clear()
+
+    def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
+        for seq_id in seq_ids:
+            seq = self.seqs.pop(seq_id, None)
+            if seq is None:
+                continue
+            self.hot.remove(seq.hot_row)
+            try:
+                self.host.allocator.release(seq_id)
+            except (HostPoolLost, KVStoreUnavailable):
+                pass  # a store that restarted or died holds none of these blocks any more
+
+    def admit(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:
+        """Frees what the plan released, then readies each offloaded chunk's state and host
+        blocks. Chunks that cannot run are dropped from the plan and returned with the reason."""
+        self.release(plan.released)
+        failed: dict[str, str] = {}
+        kept = []
+        for chunk in plan.chunks:
+            if not chunk.offloaded:
+                kept.append(chunk)
+                continue
+            try:
+                self._ready_or_reattach(chunk)
+                kept.append(chunk)
+            except (PoolExhausted, KVStoreUnavailable, HostPoolLost, ValueError) as e:
+                failed[chunk.seq_id] = str(e)
+        lost = [c for c in kept if c.offloaded and c.seq_id not in self.seqs]  # readied, then dropped by a pool loss
+        failed.update({c.seq_id: f"request {c.seq_id}: its offloaded KV was lost when the kv_store restarted" for c in lost})
+        return replace(plan, chunks=tuple(c for c in kept if c not in lost)), failed
+
+    def _ready_or_reattach(self, chunk: Chunk) -> None:
+        """A new request that finds the kv_store restarted maps the new pool and goes on; the
+        requests whose KV was in the old pool are dropped (and fail)."""
+        args = (chunk.seq_id, chunk.block_table, chunk.start_pos, chunk.end_pos)
+        try:
+            if self.view is None:  # detached from a dead kv_store
+                raise HostPoolLost("the kv_store restarted")
+            self._ready(*args)
+        except HostPoolLost:
+            self._drop_seqs()
+            if self.host.reattach is None:
+                raise
+            self.detach()
+            self.view = self.host.reattach()
+            if self.host.recall_engine is not None:
+                self.remote = self.host.recall_engine(self.cache)
+            if chunk.start_pos != 0:
+                raise
+            self._ready(*args)
+
+    def _ready(self, seq_id: str, footprint: tuple[int, ...], start: int, end: int) -> None:
+        g = self.geometry
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            if start != 0:
+                raise ValueError(f"request {seq_id}: its offloaded KV is gone from this worker (the kv_store restarted)")
+            if len(footprint) != g.device_blocks:
+                raise ValueError(f"request {seq_id}: {len(footprint)} device blocks for an offloaded request, expected {g.device_blocks}")
+            summaries = BlockSummaries(self.cache.shape.num_layers, self.scorer, g.block_size, self.cache.k.device)
+            seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, summaries, self.hot.add(tuple(footprint)))
+        if seq.length != start or seq.footprint != tuple(footprint):
+            raise ValueError(f"request {seq_id}: the plan (position {start}) disagrees with the worker's state ({seq.length} tokens)")
+        hosted = max(0, end // g.block_size - g.sink_blocks)
+        need = hosted - len(seq.host_blocks)
+        if need > 0:
+            seq.host_blocks += self._allocate(seq_id, need)
+            seq.summaries.reserve(hosted)
+
+    def _allocate(self, seq_id: str, count: int) -> list[int]:
+        try:
+            return self.host.allocator.allocate(seq_id, count)
+        except PoolExhausted as e:
+            raise PoolExhausted(f"request {seq_id}: host KV pool exhausted ({e})") from e
+
+    def begin(self, plan: StepPlan, batch: ForwardBatch) -> OffloadStep | None:
+        chunks = [c for c in plan.chunks if c.offloaded]
+        if not chunks:
+            return None
+        ctx = StepContext(
+            self.cache, self.view, self.geometry, self.policy, self.scorer, self.hot, self.counters, self.mass, self.workspace
+        )
+        queue = RecallQueue(self.io, HostCopier(self.view, self.remote, self.cache, self.policy.per_head), self.counters, self.policy)
+        return OffloadStep(ctx, [self.seqs[c.seq_id] for c in chunks], chunks, batch, queue, root=True)
+
+    def stats(self) -> dict[str, int | float | list | dict | None]:
+        c, recall = self.counters, self.recall
+        rows = max(c.decoded_rows, 1)
+        return {
+            "offloaded": len(self.seqs),
+            "host_blocks": sum(len(s.host_blocks) for s in self.seqs.values()),
+            "written_blocks": c.written_blocks,
+            "decoded_rows": c.decoded_rows,
+            "recall": asdict(recall),  # RecallStats' names, as the proto and /metrics carry them
+            "recall_transfers_per_step": recall.transfers / rows,  # per offloaded request and decode step, all layers
+            "recall_bytes_per_step": recall.bytes / rows,
+            "recall_bytes_by_layer": list(c.bytes_by_layer),
+            "attention_mass": self.mass.mean if self.mass else None,
+            "attention_mass_min": self.mass.minimum if self.mass and self.mass.count else None,
+        }

@@ -1,0 +1,80 @@
+"""Where a step's new K/V of offloaded requests go: sink and window blocks to the device cache,
+every block that fills (past the sink) to the host pool at once, with its key summary."""
+
+from __future__ import annotations
+
+import torch
+
+from pulseinfer.gpu_worker.batch import ForwardBatch
+from pulseinfer.gpu_worker.kv_cache import PagedKVCache
+from pulseinfer.gpu_worker.offload.config import OffloadGeometry
+from pulseinfer.gpu_worker.offload.layout import OffloadedSeq
+from pulseinfer.kv_store.view import PoolView
+from pulseinfer.scheduler.plan import Chunk
+
+
+class StepWrites:
+    """The chunks' write indices, built once per step (they do not depend on the layer)."""
+
+    def __init__(self, seqs: list[OffloadedSeq], chunks: list[Chunk], batch: ForwardBatch, g: OffloadGeometry):
+        B = self.block_size = g.block_size
+        # the new tokens of device blocks go straight to the cache; the host-bound blocks (full and past
+        # the sink) are assembled in a buffer, one block per row: any earlier tokens of the chunk's
+        # partly filled first block from the cache, the rest from the new tokens
+        dev_slots, dev_tokens, prefix_buf, prefix_slots, host_buf, host_tokens = [], [], [], [], [], []
+        host_ids, summary_runs = [], []
+        for seq, chunk in zip(seqs, chunks):
+            start, end = chunk.start_pos, chunk.end_pos
+            flat = batch.chunk_starts[chunk.seq_id] - start  # the flat token index of context position 0
+            hosted = len(host_ids)
+            for j in range(start // B, (end - 1) // B + 1):
+                lo, hi = max(start - j * B, 0), min(end - j * B, B)  # the block's new tokens, as offsets in it
+                tokens = torch.arange(flat + j * B + lo, flat + j * B + hi)
+                if j < g.sink_blocks or j >= g.window_start(end):
+                    dev = seq.device_block(j, end)
+                    dev_slots.append(torch.arange(dev * B + lo, dev * B + hi))
+                    dev_tokens.append(tokens)
+                if j >= g.sink_blocks and hi == B:
+                    row0 = len(host_ids) * B
+                    if lo:
+                        dev = seq.device_block(j, start)
+                        prefix_buf.append(torch.arange(row0, row0 + lo))
+                        prefix_slots.append(torch.arange(dev * B, dev * B + lo))
+                    host_buf.append(torch.arange(row0 + lo, row0 + B))
+                    host_tokens.append(tokens)
+                    host_ids.append(seq.host_blocks[j - g.sink_blocks])
+            if len(host_ids) > hosted:  # the chunk's newly full host blocks are consecutive: one summary write
+                summary_runs.append((seq, max(start // B, g.sink_blocks) - g.sink_blocks, hosted, len(host_ids) - hosted))
+        device = batch.input_ids.device
+
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+        self.dev_slots, self.dev_tokens = cat(dev_slots), cat(dev_tokens)
+        self.prefix_buf, self.prefix_slots = cat(prefix_buf), cat(prefix_slots)
+        self.host_buf, self.host_tokens = cat(host_buf), cat(host_tokens)
+        self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
+        self.summary_runs = summary_runs  # (request, first summary slot, first host_ids row, count)
+
+    @property
+    def host_blocks(self) -> int:
+        """Blocks this step writes to the host pool (per layer)."""
+        return self.host_ids.numel()
+
+    def store(self, layer: int, cache: PagedKVCache, view: PoolView, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes the chunks' new K/V: sink and window blocks to the device, newly full blocks to the host pool."""
+        B, count = self.block_size, self.host_ids.numel()
+        k_cache, v_cache = cache.layer(layer)
+        blocks = []
+        for new, cached in ((k, k_cache), (v, v_cache)):
+            if count:  # read before the device writes: a long chunk's window may reuse the ring slot of its first block
+                buf = torch.empty((count * B, *cached.shape[1:]), dtype=cached.dtype, device=cached.device)
+                buf[self.prefix_buf] = cached[self.prefix_slots]
+                buf[self.host_buf] = new[self.host_tokens]
+                blocks.append(buf.view(count, B, *cached.shape[1:]))
+            cached.index_copy_(0, self.dev_slots, new[self.dev_tokens])
+        if count:
+            k_blocks, v_blocks = blocks
+            view.write(self.host_ids, layer, k_blocks, v_blocks)
+            for seq, first, row, n in self.summary_runs:
+                seq.summaries.write(layer, first, k_blocks[row : row + n])
