@@ -121,12 +121,12 @@ def test_layer_ahead_recall_and_suspension_change_timing_never_tokens(model, cor
             layer_ahead="on" if ahead else "off",
             suspend=suspend if ahead else "off",
         )
-        runs[ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
+        runs[ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats()["recall"])
         _assert_all_freed(engine)
     assert runs[True][0] == runs[False][0]
     synchronous, ahead = runs[False][1], runs[True][1]
     assert synchronous["prefetched_units"] == 0 and ahead["prefetched_units"] > 0
-    assert 0 < ahead["corrected_units"] < ahead["recalled_units"]  # predictions miss some blocks and hit others
+    assert 0 < ahead["corrected_units"] < ahead["units"]  # predictions miss some blocks and hit others
     assert synchronous["suspended_rows"] == 0
     if mode == "pulse":  # head-wise recalls stay synchronous, the baseline's
         assert ahead["suspended_rows"] > 0
@@ -163,10 +163,10 @@ def test_a_hot_buffer_beyond_the_budget_recalls_less_and_attends_the_same(model,
     runs = {}
     for extra in (0, 128):
         engine = _engine(model, "always", 16384, mode=mode, sink=32, recent=64, budget=128, hot_extra=extra)
-        runs[extra] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
+        runs[extra] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats()["recall"])
         _assert_all_freed(engine)
     assert runs[128][0] == runs[0][0]
-    assert 0 < runs[128][1]["recalled_units"] < runs[0][1]["recalled_units"]
+    assert 0 < runs[128][1]["units"] < runs[0][1]["units"]
 
 
 def test_layer_ahead_fills_the_room_beyond_the_budget_and_attends_the_same(model, corpus):
@@ -177,7 +177,7 @@ def test_layer_ahead_fills_the_room_beyond_the_budget_and_attends_the_same(model
     runs = {}
     for extra, ahead in ((0, "off"), (0, "on"), (128, "on")):
         engine = _engine(model, "always", 16384, sink=32, recent=64, budget=128, hot_extra=extra, layer_ahead=ahead, suspend="layer")
-        runs[extra, ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats())
+        runs[extra, ahead] = ([c.token_ids for c in engine.generate(prompts, params)], engine.runner.offload.stats()["recall"])
         _assert_all_freed(engine)
     assert runs[128, "on"][0] == runs[0, "on"][0] == runs[0, "off"][0]
     assert 0 < runs[128, "on"][1]["corrected_units"] < runs[0, "on"][1]["corrected_units"]
