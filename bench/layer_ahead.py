@@ -105,17 +105,17 @@ def run_path(loaded: LoadedModel, host: HostTier | None, args: LayerAheadBenchCo
         tokens[name], step_s = decode(engine, prompts, params)
         stats = engine.runner.offload.stats()
         engine.runner.close()
-        steps = stats["decoded_rows"] / args.requests
+        steps, recall = stats["decoded_rows"] / args.requests, stats["recall"]
         results[name] = {
             "seconds": time.perf_counter() - started,
-            "io_wait_ms_per_step": stats["io_wait_seconds"] / steps * 1e3,
+            "io_wait_ms_per_step": recall["wait_s"] / steps * 1e3,
             "decode_step_ms_p50": statistics.median(step_s) * 1e3,
-            "recalled_units_per_step": stats["recalled_units"] / steps,
-            "prefetched_units": stats["prefetched_units"],
-            "corrected_units": stats["corrected_units"],
-            "truncated_units_per_step": stats["truncated_units"] / steps,
-            "suspended_rows_per_step": stats["suspended_rows"] / steps,
-            "resumed_layers_per_step": stats["resumed_layers"] / steps,
+            "recalled_units_per_step": recall["units"] / steps,
+            "prefetched_units": recall["prefetched_units"],
+            "corrected_units": recall["corrected_units"],
+            "truncated_units_per_step": recall["truncated_units"] / steps,
+            "suspended_rows_per_step": recall["suspended_rows"] / steps,
+            "resumed_layers_per_step": recall["resumed_layers"] / steps,
         }
         print(name, json.dumps(results[name]), flush=True)
     synchronous = results["synchronous"]
