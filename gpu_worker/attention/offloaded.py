@@ -36,12 +36,7 @@ class OffloadedAttention(PagedAttention):
         return super().resume(layer, suspension)
 
     def cohort(self, batch: ForwardBatch) -> PagedAttention:
-        offload = self.offload.cohort(batch)
-        return (
-            PagedAttention(batch, self.cache, self.workspace)
-            if offload is None
-            else OffloadedAttention(batch, self.cache, self.workspace, offload)
-        )
+        return step_attention(batch, self.cache, self.workspace, self.offload.cohort(batch))
 
     def finish(self) -> None:
         self.offload.finish()
@@ -59,15 +54,15 @@ class OffloadedAttention(PagedAttention):
         return prefill_attention(q, k, v, span.ctx_len)
 
 
+def step_attention(batch: ForwardBatch, cache: PagedKVCache, workspace: GatherWorkspace, offload: OffloadStep | None) -> PagedAttention:
+    """The offloaded attention of a step (or cohort) with offloaded chunks, else the resident one."""
+    return PagedAttention(batch, cache, workspace) if offload is None else OffloadedAttention(batch, cache, workspace, offload)
+
+
 class OffloadedBackend:
     def __init__(self, cache: PagedKVCache, offload: OffloadManager):
         self.cache, self.offload = cache, offload
         self.workspace = GatherWorkspace()  # the context gathers of every step's attention
 
     def begin(self, plan: StepPlan, batch: ForwardBatch) -> PagedAttention:
-        step = self.offload.begin(plan, batch)
-        return (
-            PagedAttention(batch, self.cache, self.workspace)
-            if step is None
-            else OffloadedAttention(batch, self.cache, self.workspace, step)
-        )
+        return step_attention(batch, self.cache, self.workspace, self.offload.begin(plan, batch))

@@ -19,7 +19,7 @@ import torch
 
 from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.common.model.gguf_file import GGUFTensor
-from pulseinfer.common.model.meta import ModelLoadError, _hf_dir_config, _read_gguf, open_model
+from pulseinfer.common.model.meta import ModelLoadError, hf_dir_config, open_model, read_gguf_model
 from pulseinfer.common.model.tokenizer import Tokenizer
 
 
@@ -80,7 +80,7 @@ def _dequantize(tensor: GGUFTensor) -> np.ndarray:
 
 
 def _load_gguf(path: Path) -> LoadedModel:
-    fields, all_tensors, config = _read_gguf(path)
+    fields, all_tensors, config = read_gguf_model(path)
     tensors = [(name, t) for t in all_tensors if (name := _hf_name(t.name))]
     with ThreadPoolExecutor(max_workers=2) as pool:  # numpy dequantization releases the GIL
         arrays = list(pool.map(lambda item: _dequantize(item[1]), tensors))
@@ -101,7 +101,7 @@ def _load_gguf(path: Path) -> LoadedModel:
 def _load_hf_dir(path: Path) -> LoadedModel:
     from safetensors.torch import load_file
 
-    config = _hf_dir_config(path)
+    config = hf_dir_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")

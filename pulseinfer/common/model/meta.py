@@ -97,7 +97,7 @@ def _gguf_config(fields: dict, has_output: bool) -> ModelConfig:
     )
 
 
-def _read_gguf(path: Path) -> tuple[dict, list[GGUFTensor], ModelConfig]:
+def read_gguf_model(path: Path) -> tuple[dict, list[GGUFTensor], ModelConfig]:
     try:
         fields, all_tensors = read_gguf(path)
     except GGUFFormatError as e:
@@ -106,7 +106,7 @@ def _read_gguf(path: Path) -> tuple[dict, list[GGUFTensor], ModelConfig]:
 
 
 def _gguf_meta(path: Path) -> ModelMeta:
-    fields, _, config = _read_gguf(path)
+    fields, _, config = read_gguf_model(path)
     return ModelMeta(config, Tokenizer.from_gguf_fields(fields), path)
 
 
@@ -137,7 +137,7 @@ def _hf_config(raw: dict) -> ModelConfig:
     )
 
 
-def _hf_dir_config(path: Path) -> ModelConfig:
+def hf_dir_config(path: Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} has no config.json")
@@ -145,4 +145,4 @@ def _hf_dir_config(path: Path) -> ModelConfig:
 
 
 def _hf_dir_meta(path: Path) -> ModelMeta:
-    return ModelMeta(_hf_dir_config(path), Tokenizer.from_hf_dir(path), path)
+    return ModelMeta(hf_dir_config(path), Tokenizer.from_hf_dir(path), path)
