@@ -47,7 +47,7 @@ def main(args: HostPoolBenchConfig, json_path: Path | None = None) -> int:
         device_k = torch.randn(args.batch, BLOCK, heads, dim)
         device_v = torch.randn(args.batch, BLOCK, heads, dim)
         blocks = torch.randperm(args.blocks)[: args.batch]
-        layer = config.num_layers // 2
+        layer = config.kv_layers // 2
 
         def write_back() -> None:
             view.write(blocks, layer, device_k, device_v)

@@ -43,7 +43,7 @@ def main(args: RecallGatherBenchConfig, json_path: Path | None = None) -> int:
     torch.manual_seed(0)
 
     c = load_model_meta().config
-    layers, heads, dim = c.num_layers, c.num_kv_heads, c.head_dim
+    layers, heads, dim = c.kv_layers, c.num_kv_heads, c.head_dim
     per_request = args.context // BLOCK
     chosen = max(1, round(per_request * args.fraction))
     view = PoolView.private(args.requests * per_request, layers, heads, BLOCK, dim, torch.float32)

@@ -34,7 +34,7 @@ import torch
 
 from pulseinfer.gpu_worker.forward import Mask, dense_forward
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases, prose
-from pulseinfer.gpu_worker.model.llama import LlamaModel
+from pulseinfer.gpu_worker.model.decoder import Decoder
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 from pulseinfer.gpu_worker.offload.config import OffloadConfig, OffloadGeometry
 from pulseinfer.gpu_worker.sparse import LowRankScorer
@@ -149,7 +149,7 @@ def sparse_mask(geometry: OffloadGeometry, start: int, scorer: Scorer | None, lo
     return mask
 
 
-def window_logprobs(model: LlamaModel, ids: list[int], score_tokens: int, masks: dict[str, Mask]) -> dict[str, torch.Tensor]:
+def window_logprobs(model: Decoder, ids: list[int], score_tokens: int, masks: dict[str, Mask]) -> dict[str, torch.Tensor]:
     """Log-probabilities of the window's last `score_tokens` tokens, each predicted by a decode step
     as `eval ppl` runs it (the prompt is all but the last score_tokens + 1 tokens)."""
     start = len(ids) - score_tokens - 1
@@ -169,7 +169,7 @@ def study(config: ScorerStudyConfig, loaded: LoadedModel | None = None, log=prin
     unknown = [n for n in names if n != "dense" and n not in SCORERS]
     if unknown or "dense" not in names:
         raise ValueError(f"--scorers takes dense (required, the reference) and {', '.join(SCORERS)}; got {config.scorers!r}")
-    model = LlamaModel(loaded.config, loaded.weights, torch.device("cpu"), torch.float32)
+    model = Decoder(loaded.config, loaded.weights, torch.device("cpu"), torch.float32)
     geometry = OffloadConfig(sink=config.sink, recent=config.recent, budget=config.budget).geometry(config.block_size)
     ids = loaded.tokenizer.encode(prose())
     start = config.context - config.score_tokens - 1

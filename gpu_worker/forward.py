@@ -102,9 +102,21 @@ def dense_forward(
         if prefix:
             k, v = torch.cat([prefix[index][0], k]), torch.cat([prefix[index][1], v])
         kv.append((k, v))
-        allowed = mask(index, q, k) if mask is not None else None
+        allowed = (
+            mask(index, q, k)
+            if mask is not None
+            else _window_mask(model.config.sliding_window, len(ids), q.device)
+            if model.config.sliding(index)
+            else None
+        )
         heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*heads_first, attn_mask=allowed, is_causal=allowed is None, enable_gqa=True)
         hidden = model.attention_output(index, hidden, out.squeeze(0).transpose(0, 1))
         hidden = model.feed_forward(index, hidden)
     return hidden, kv
+
+
+def _window_mask(window: int, n: int, device: torch.device) -> torch.Tensor:
+    """Causal attention of n tokens to each other, each seeing the last `window` (itself included)."""
+    offset = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)[None, :]
+    return (offset >= 0) & (offset < window)

@@ -40,7 +40,7 @@ class PagedKVCache:
 
     def __init__(self, config: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, shared: bool = False):
         self.spec = spec
-        self.shape = CacheShape(config.num_layers, spec.num_tokens, config.num_kv_heads, config.head_dim, spec.block_size)
+        self.shape = CacheShape(config.kv_layers, spec.num_tokens, config.num_kv_heads, config.head_dim, spec.block_size)
         self.segment: Segment | None = None
         self.completion: SegmentHeader | ExportedCache | None = None  # how a recall by the engine is known to have landed
         if shared and device.type == "cpu":

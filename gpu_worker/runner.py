@@ -10,11 +10,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pulseinfer.gpu_worker.attention import attention_backend
+from pulseinfer.gpu_worker.attention.window import WindowCache
 from pulseinfer.gpu_worker.batch import build_batch
 from pulseinfer.gpu_worker.forward import forward
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
-from pulseinfer.gpu_worker.model.llama import LlamaModel
+from pulseinfer.gpu_worker.model.decoder import Decoder
 from pulseinfer.gpu_worker.model.loader import LoadedModel
 from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
@@ -37,7 +38,10 @@ class WorkerConfig:
     device: str = "cpu"  # cpu | cuda
     dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
     block_size: int = 16
-    device_kv_tokens: int = 65536  # capacity of the device KV pool
+    device_kv_tokens: int = 65536  # capacity of the device KV pool (of the full-attention layers)
+    # requests running at once on a model with sliding-window layers: each holds a ring of its
+    # window per sliding layer on the device (the scheduler runs no more)
+    max_running: int = 64
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
@@ -71,12 +75,13 @@ class ModelRunner:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         self.model_config = loaded.config
-        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype)
+        self.model = Decoder(loaded.config, loaded.weights, self.device, self.dtype)
         offloading = host is not None and config.mode != "dense"
         shared = offloading and host.recall_engine is not None  # the kv_store's I/O engine recalls into it
         self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, shared)
-        self.offload = self._offload_manager(host, loaded) if offloading else None
-        self.attention = attention_backend(self.cache, self.offload)
+        self.window = WindowCache(loaded.config, config.max_running, self.dtype, self.device) if loaded.config.sliding_layers else None
+        self.offload = self._offload_manager(host, loaded) if offloading and loaded.config.kv_layers else None
+        self.attention = attention_backend(self.cache, self.offload, self.window, loaded.config)
 
     def _offload_manager(self, host: HostTier, loaded: LoadedModel) -> OffloadManager:
         geometry = self.config.offload.geometry(self.config.block_size)
@@ -95,10 +100,17 @@ class ModelRunner:
         if o.scorer == "quest":
             return QuestScorer(c.num_kv_heads, c.head_dim)
         started = time.perf_counter()
-        bases = key_bases(self.model, calibration_ids(loaded.tokenizer, o.calibration_tokens), o.key_rank)
+        bases = key_bases(self.model, calibration_ids(loaded.tokenizer, o.calibration_tokens), o.key_rank)[list(c.full_layers)]
         seconds = time.perf_counter() - started
         log.info("lowrank scorer: rank-%d key bases fitted on %d tokens in %.1f s", o.key_rank, o.calibration_tokens, seconds)
         return LowRankScorer(bases)
+
+    def release_all(self) -> None:
+        """Frees every request's device state and host blocks: the scheduler that planned them is gone."""
+        if self.window is not None:
+            self.window.release_all()
+        if self.offload is not None:
+            self.offload.release_all()
 
     def close(self) -> None:
         if self.offload is not None:
@@ -108,6 +120,11 @@ class ModelRunner:
     @property
     def cache_spec(self) -> KVCacheSpec:
         return self.cache.spec
+
+    @property
+    def max_running(self) -> int:
+        """Requests this worker runs at once; 0: as many as the device KV pool holds."""
+        return self.window.capacity if self.window is not None else 0
 
     @property
     def offload_blocks(self) -> int:
@@ -153,7 +170,11 @@ class ModelRunner:
         return self.offload.recall if self.offload is not None else RecallStats()
 
     def _admit(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:
+        """The plan less the chunks that cannot run here, and why: those without a sliding-window
+        ring, and offloaded ones without host blocks (or without a host pool)."""
+        refused = self.window.admit(plan) if self.window is not None else {}
         if self.offload is not None:
-            return self.offload.admit(plan)
-        refused = {c.seq_id: "this worker has no host KV pool to offload to" for c in plan.chunks if c.offloaded}
-        return StepPlan(plan.step_id, tuple(c for c in plan.chunks if not c.offloaded)), refused
+            plan, failed = self.offload.admit(replace(plan, chunks=tuple(c for c in plan.chunks if c.seq_id not in refused)))
+            return plan, refused | failed
+        refused |= {c.seq_id: "this worker has no host KV pool to offload to" for c in plan.chunks if c.offloaded}
+        return StepPlan(plan.step_id, tuple(c for c in plan.chunks if c.seq_id not in refused)), refused

@@ -59,6 +59,7 @@ class Worker:
             vocab_size=model_config.vocab_size,
             model=loaded.source.name,
             offload_blocks=self.runner.offload_blocks,
+            max_running=self.runner.max_running,
         )
         if loaded.tokenizer.eos_id is not None:
             self.heartbeat.eos_id = loaded.tokenizer.eos_id
@@ -110,16 +111,15 @@ class Worker:
             self.runner.close()
 
     def _drop_what_peers_lost(self, scheduler_loss: PeerLoss) -> None:
-        """Between steps: a scheduler that died took its requests with it, so their host blocks are
-        freed now (nobody will release them); a kv_store that died took every offloaded request's
-        KV, so its pool is unmapped now, not when the next offloaded request finds it gone."""
+        """Between steps: a scheduler that died took its requests with it, so their host blocks and
+        sliding-window rings are freed now (nobody will release them); a kv_store that died took
+        every offloaded request's KV, so its pool is unmapped now, not when the next offloaded
+        request finds it gone."""
+        if scheduler_loss.happened():
+            log.warning("the scheduler went away: freeing the device and host state of the requests it had planned")
+            self.runner.release_all()
         offload = self.runner.offload
-        if offload is None:
-            return
-        if scheduler_loss.happened() and offload.seqs:
-            log.warning("the scheduler went away: freeing the %d offloaded requests it had planned", len(offload.seqs))
-            offload.release_all()
-        if self.host_lost is not None and self.host_lost():
+        if offload is not None and self.host_lost is not None and self.host_lost():
             log.warning("the kv_store went away: dropping %d offloaded requests and unmapping its pool", len(offload.seqs))
             offload.detach()
 

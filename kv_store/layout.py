@@ -34,7 +34,9 @@ class ModelShape(Protocol):
     """The model dimensions the pool's geometry depends on (pulseinfer.common.model.config.ModelConfig has them)."""
 
     @property
-    def num_layers(self) -> int: ...
+    def kv_layers(self) -> int:
+        """Layers whose whole context is kept (sliding-window layers keep only theirs, on the device)."""
+        ...
 
     @property
     def num_kv_heads(self) -> int: ...
@@ -56,7 +58,7 @@ class PoolGeometry:
         if tokens < block_size:
             raise ValueError(f"host KV pool of {tokens} tokens is smaller than one block ({block_size})")
         unit = unit_bytes(config.num_kv_heads, block_size, config.head_dim, DTYPE_BYTES[dtype])
-        return cls(num_blocks=tokens // block_size, num_layers=config.num_layers, unit_bytes=unit)
+        return cls(num_blocks=tokens // block_size, num_layers=config.kv_layers, unit_bytes=unit)
 
     @property
     def block_bytes(self) -> int:

@@ -72,7 +72,9 @@ class Engine:
         self.runner = ModelRunner(self.loaded, config.worker, self.host)
         spec = self.runner.cache_spec
         self.allocator = BlockAllocator(spec.num_blocks)
-        limits = ModelLimits(self.loaded.config.max_position, self.tokenizer.eos_id, spec.block_size, self.runner.offload_blocks)
+        limits = ModelLimits(
+            self.loaded.config.max_position, self.tokenizer.eos_id, spec.block_size, self.runner.offload_blocks, self.runner.max_running
+        )
         self.batcher = Batcher(config.batcher, limits, self.allocator)
         self._streams: dict[str, TextStream] = {}
         self._seqs: dict[str, Sequence] = {}
@@ -83,7 +85,7 @@ class Engine:
     def _host_tier(self) -> HostTier:
         c, block = self.loaded.config, self.config.worker.block_size
         blocks = self.config.host_kv_tokens // block
-        view = PoolView.private(blocks, c.num_layers, c.num_kv_heads, block, c.head_dim, self.config.worker.torch_dtype())
+        view = PoolView.private(blocks, c.kv_layers, c.num_kv_heads, block, c.head_dim, self.config.worker.torch_dtype())
         if self.config.worker.device == "cuda":
             view.pin()
         return HostTier(view, BlockAllocator(blocks))

@@ -52,6 +52,7 @@ class ModelLimits:
     eos_id: int | None
     block_size: int
     offload_blocks: int = 0  # device blocks an offloaded request holds; 0: the worker cannot offload
+    max_running: int = 0  # requests the worker runs at once (its sliding-window rings); 0: no cap of its own
 
 
 class Batcher:
@@ -67,7 +68,8 @@ class Batcher:
         self.link = LinkModel()
         self.num_held_for_link = 0  # requests that waited because their recall would not hide behind compute
         self._held: set[str] = set()
-        self.released: list[str] = []  # offloaded requests that ended, for the next plan
+        # requests that ended whose worker holds state of its own (host blocks, window rings), for the next plan
+        self.released: list[str] = []
 
     # ------------------------------------------------------------ admission
 
@@ -79,6 +81,11 @@ class Batcher:
         capacity = self.allocator.num_blocks * self.limits.block_size
         if prompt_len + 1 > capacity and not self._can_offload:
             raise RequestTooLarge(f"prompt of {prompt_len} tokens exceeds the device KV pool of {capacity} tokens")
+
+    @property
+    def max_running(self) -> int:
+        cap = self.limits.max_running
+        return min(self.config.max_batch_size, cap) if cap else self.config.max_batch_size
 
     @property
     def _can_offload(self) -> bool:
@@ -128,7 +135,7 @@ class Batcher:
                 break
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
-        while budget > 0 and self.waiting and len(self.running) < self.config.max_batch_size:
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if not self._place(seq):
                 break
@@ -266,7 +273,7 @@ class Batcher:
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.release(seq.seq_id)
-        if seq.offloaded:
+        if seq.offloaded or self.limits.max_running:  # the worker holds state of its own for it
             self.released.append(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:

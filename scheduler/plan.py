@@ -36,7 +36,7 @@ class Chunk:
 class StepPlan:
     step_id: int
     chunks: tuple[Chunk, ...]
-    released: tuple[str, ...] = ()  # offloaded requests that ended: the worker frees their state first
+    released: tuple[str, ...] = ()  # requests that ended (offloaded, or on a sliding-window model): the worker frees their state first
 
     @property
     def decode_chunks(self) -> list[Chunk]:

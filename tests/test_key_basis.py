@@ -8,11 +8,11 @@ import torch
 
 from pulseinfer.gpu_worker.forward import dense_forward
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
-from pulseinfer.gpu_worker.model.llama import LlamaModel
+from pulseinfer.gpu_worker.model.decoder import Decoder
 
 
 def test_bases_are_orthonormal_and_capture_the_keys_better_than_a_random_subspace(model):
-    llama = LlamaModel(model.config, model.weights, torch.device("cpu"), torch.float32)
+    llama = Decoder(model.config, model.weights, torch.device("cpu"), torch.float32)
     ids = calibration_ids(model.tokenizer, 256)
     assert len(ids) == 256
     rank, c = 8, model.config
@@ -31,7 +31,7 @@ def test_bases_are_orthonormal_and_capture_the_keys_better_than_a_random_subspac
 
 
 def test_bad_ranks_and_calibration_lengths_are_refused(model):
-    llama = LlamaModel(model.config, model.weights, torch.device("cpu"), torch.float32)
+    llama = Decoder(model.config, model.weights, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="--key-rank"):
         key_bases(llama, [1, 2, 3], model.config.head_dim + 1)
     with pytest.raises(ValueError, match="calibration text has"):

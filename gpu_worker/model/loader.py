@@ -46,10 +46,18 @@ _GGUF_LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's norms around attention and MLP: llama.cpp's post_attention_norm is HF's post_attention_layernorm
+_GGUF_GEMMA_NAMES = _GGUF_LAYER_NAMES | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -58,12 +66,13 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, gemma: bool) -> str | None:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if match and match.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    names = _GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
 
 
@@ -79,18 +88,26 @@ def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     return np.asarray(quants.dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
 
 
+def _to_hf(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """A GGUF tensor as transformers holds it: llama.cpp permutes the q/k rows of the Llama
+    architecture only (the others use the rotate-half layout already), and stores Gemma's norm
+    weights as the multiplier 1 + w."""
+    if config.architecture == "llama" and re.search(r"[qk]_proj\.(weight|bias)$", name):
+        return _unpermute_rope(array, config.num_heads if "q_proj" in name else config.num_kv_heads)
+    if config.gemma and name.endswith("norm.weight"):
+        return array - 1.0
+    return array
+
+
 def _load_gguf(path: Path) -> LoadedModel:
     fields, all_tensors, config = read_gguf_model(path)
-    tensors = [(name, t) for t in all_tensors if (name := _hf_name(t.name))]
+    tensors = [(name, t) for t in all_tensors if (name := _hf_name(t.name, config.gemma))]
     with ThreadPoolExecutor(max_workers=2) as pool:  # numpy dequantization releases the GIL
         arrays = list(pool.map(lambda item: _dequantize(item[1]), tensors))
     weights = {}
     for (name, _), array in zip(tensors, arrays):
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            array = _unpermute_rope(array, config.num_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            array = _unpermute_rope(array, config.num_kv_heads)
-        weights[name] = torch.from_numpy(np.require(array, requirements=["C", "W"]))  # F32 tensors are read-only mmap views
+        # F32 tensors are read-only mmap views
+        weights[name] = torch.from_numpy(np.require(_to_hf(name, array, config), requirements=["C", "W"]))
     _check_weights(config, weights, path)
     return LoadedModel(config, weights, Tokenizer.from_gguf_fields(fields), path)
 
@@ -124,27 +141,45 @@ def save_hf_dir(model: LoadedModel, path: Path) -> None:
     model.tokenizer.save_hf_dir(path)
 
 
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the model reads, by Hugging Face name, with its shape."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    norms = ["input_layernorm", "post_attention_layernorm"] + (
+        ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if c.gemma else []
+    )
+    layer = {f"{name}.weight": (c.hidden_size,) for name in norms}
+    layer |= {
+        "self_attn.q_proj.weight": (c.q_size, c.hidden_size),
+        "self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
+        "self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
+        "self_attn.o_proj.weight": (c.hidden_size, c.q_size),
+        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+    }
+    if c.qkv_bias:
+        layer |= {"self_attn.q_proj.bias": (c.q_size,), "self_attn.k_proj.bias": (c.kv_size,), "self_attn.v_proj.bias": (c.kv_size,)}
+    if c.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}
+    for i in range(c.num_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> None:
-    expected = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_embeddings:
-        expected.append("lm_head.weight")
-    layer_parts = [
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-    ]
-    if config.qkv_bias:
-        layer_parts += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    expected += [f"model.layers.{i}.{p}" for i in range(config.num_layers) for p in layer_parts]
-    missing = [name for name in expected if name not in weights]
+    """Every weight the config's math reads is there, in its shape: a config that leaves out a
+    family's part (Qwen3 without q/k norms) fails here rather than computing something else."""
+    shapes = weight_shapes(config)
+    missing = [name for name in shapes if name not in weights]
     if missing:
-        raise ModelLoadError(f"{source}: missing {len(missing)} weights, e.g. {missing[:3]}")
-    q = weights["model.layers.0.self_attn.q_proj.weight"]
-    if tuple(q.shape) != (config.q_size, config.hidden_size):
-        raise ModelLoadError(f"{source}: q_proj has shape {tuple(q.shape)}, config implies {(config.q_size, config.hidden_size)}")
+        raise ModelLoadError(f"{source}: missing {len(missing)} weights the {config.architecture} config needs, e.g. {missing[:3]}")
+    unused = [name for name in weights if name not in shapes and not name.endswith("rotary_emb.inv_freq")]
+    if unused:
+        raise ModelLoadError(f"{source}: {len(unused)} weights the {config.architecture} config does not use, e.g. {unused[:3]}")
+    wrong = [(name, tuple(weights[name].shape), shape) for name, shape in shapes.items() if tuple(weights[name].shape) != shape]
+    if wrong:
+        name, got, want = wrong[0]
+        raise ModelLoadError(f"{source}: {name} has shape {got}, the config implies {want} ({len(wrong)} weights differ)")

@@ -105,7 +105,7 @@ class SequenceError(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("worker_id", "pid", "device_blocks_total", "block_size", "max_position", "eos_id", "vocab_size", "model", "offload_blocks")
+    __slots__ = ("worker_id", "pid", "device_blocks_total", "block_size", "max_position", "eos_id", "vocab_size", "model", "offload_blocks", "max_running")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class Heartbeat(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     pid: int
     device_blocks_total: int
@@ -124,7 +125,8 @@ class Heartbeat(_message.Message):
     vocab_size: int
     model: str
     offload_blocks: int
-    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., max_position: _Optional[int] = ..., eos_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., offload_blocks: _Optional[int] = ...) -> None: ...
+    max_running: int
+    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., max_position: _Optional[int] = ..., eos_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., offload_blocks: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("result", "heartbeat")

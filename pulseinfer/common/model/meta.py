@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from pulseinfer.common.model.config import ModelConfig
+from pulseinfer.common.model.config import FULL, HF_ARCHITECTURE, SLIDING, ModelConfig, RopeConfig
 from pulseinfer.common.model.gguf_file import GGUFFormatError, GGUFTensor, read_gguf
 from pulseinfer.common.model.tokenizer import Tokenizer, TokenizerError
 
 # architecture -> whether q/k/v projections carry a bias
-SUPPORTED_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "gemma3": False}
+HF_ARCHITECTURES = {name: arch for arch, name in HF_ARCHITECTURE.items()}
+ROPE_KINDS = ("linear", "llama3", "yarn")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 T = TypeVar("T")
@@ -66,10 +67,14 @@ def open_model(path: str | Path | None, hf_dir: Callable[[Path], T], gguf: Calla
 # ---------------------------------------------------------------- GGUF
 
 
-def _gguf_config(fields: dict, has_output: bool) -> ModelConfig:
+def _gguf_config(fields: dict, tensor_names: set[str]) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError(
+            "GGUF rope frequency factors (rope_freqs, Llama 3.1-style scaling) are not supported: load the Hugging Face directory"
+        )
 
     def get(key: str, default=None):
         value = fields.get(f"{arch}.{key}", default)
@@ -79,22 +84,43 @@ def _gguf_config(fields: dict, has_output: bool) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    head_dim = int(fields.get(f"{arch}.rope.dimension_count", hidden // heads))
+    head_dim = int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count") or hidden // heads)
+    layers = int(get("block_count"))
+    max_position = int(get("context_length"))
+    gemma = arch == "gemma3"
+    # llama.cpp's Gemma 3: every 6th layer global, local rotary base 10,000, scores scaled by head_dim
+    window = int(fields.get(f"{arch}.attention.sliding_window") or 0) if gemma else 0
     return ModelConfig(
         architecture=arch,
         vocab_size=len(fields["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        max_position=int(get("context_length")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position=max_position,
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-        tie_embeddings=not has_output,
+        tie_embeddings="output.weight" not in tensor_names,
         qkv_bias=SUPPORTED_ARCHITECTURES[arch],
+        rope=_gguf_rope(fields, arch, max_position, 1_000_000.0 if gemma else 10000.0),
+        local_rope=RopeConfig(10000.0) if gemma else None,
+        layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(layers)) if window else (),
+        sliding_window=window,
+        query_pre_attn_scalar=float(head_dim) if gemma else 0.0,
     )
+
+
+def _gguf_rope(fields: dict, arch: str, max_position: int, default_theta: float) -> RopeConfig:
+    scaling = {
+        "rope_type": fields.get(f"{arch}.rope.scaling.type", "default"),
+        "rope_theta": float(fields.get(f"{arch}.rope.freq_base", default_theta)),
+        "factor": fields.get(f"{arch}.rope.scaling.factor"),
+        "original_max_position_embeddings": fields.get(f"{arch}.rope.scaling.original_context_length"),
+    }
+    if scaling["rope_type"] == "none":
+        scaling["rope_type"] = "default"
+    return _rope(scaling, 0.0, max_position, f"GGUF {arch}.rope.scaling")
 
 
 def read_gguf_model(path: Path) -> tuple[dict, list[GGUFTensor], ModelConfig]:
@@ -102,7 +128,7 @@ def read_gguf_model(path: Path) -> tuple[dict, list[GGUFTensor], ModelConfig]:
         fields, all_tensors = read_gguf(path)
     except GGUFFormatError as e:
         raise ModelLoadError(str(e)) from e
-    return fields, all_tensors, _gguf_config(fields, has_output=any(t.name == "output.weight" for t in all_tensors))
+    return fields, all_tensors, _gguf_config(fields, {t.name for t in all_tensors})
 
 
 def _gguf_meta(path: Path) -> ModelMeta:
@@ -113,28 +139,114 @@ def _gguf_meta(path: Path) -> ModelMeta:
 # ---------------------------------------------------------------- Hugging Face directory
 
 
+def _rope(params: dict, theta: float, max_position: int, where: str) -> RopeConfig:
+    """One rope_parameters dict (transformers 5) or rope_scaling dict (4.x, `type` for `rope_type`)."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", theta))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError(f"{where}: partial_rotary_factor is not supported")
+    if kind == "default":
+        return RopeConfig(theta)
+    if kind not in ROPE_KINDS:
+        raise ModelLoadError(f"{where}: rope type {kind!r} is not supported (supported: default, {', '.join(ROPE_KINDS)})")
+    if kind == "yarn" and (params.get("mscale") or params.get("mscale_all_dim")):
+        raise ModelLoadError(f"{where}: yarn's mscale/mscale_all_dim are not supported")
+    original = int(params.get("original_max_position_embeddings") or max_position)
+    factor = params.get("factor")
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(factor if factor is not None else max_position / original),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _hf_ropes(raw: dict, arch: str, max_position: int) -> tuple[RopeConfig, RopeConfig | None]:
+    """The full and sliding layers' rotary embeddings from either dialect of config.json:
+    `rope_parameters` (transformers 5; Gemma 3 nests one per layer type) or top-level `rope_theta`
+    and `rope_scaling` (4.x; Gemma 3 adds `rope_local_base_freq`)."""
+    gemma = arch == "gemma3"
+    params = raw.get("rope_parameters") or {}
+    if gemma:
+        full = {**(params.get(FULL) or {}), **(raw.get("rope_scaling") or {})}
+        local = dict(params.get(SLIDING) or {})
+        local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10000.0))
+        full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        return _rope(full, 0.0, max_position, "rope_parameters[full_attention]"), _rope(
+            local, 0.0, max_position, "rope_parameters[sliding_attention]"
+        )
+    params = {**params, **(raw.get("rope_scaling") or {})}
+    return _rope(params, float(raw.get("rope_theta", 10000.0)), max_position, "rope_scaling"), None
+
+
+def _unsupported(raw: dict, arch: str) -> str | None:
+    """The first config field that would change the math in a way this engine does not implement."""
+    act = raw.get("hidden_activation" if arch == "gemma3" else "hidden_act") or raw.get("hidden_act")
+    if act not in (("gelu_pytorch_tanh", "gelu_tanh") if arch == "gemma3" else ("silu",)):
+        return f"activation {act!r}"
+    if arch in ("llama", "mistral", "qwen3") and raw.get("attention_bias"):
+        return "attention_bias (a bias on q/k/v/o projections)"
+    if raw.get("mlp_bias"):
+        return "mlp_bias"
+    if arch in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        return "use_sliding_window (Qwen's windowed layers)"
+    return next(
+        (name for name in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention") if raw.get(name)), None
+    )
+
+
+def _hf_layer_types(raw: dict, arch: str, layers: int, max_position: int) -> tuple[tuple[str, ...], int]:
+    window = raw.get("sliding_window")
+    if arch == "gemma3":
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        types = raw.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+        return tuple(types), int(window or 4096)
+    if arch == "mistral" and window and window < max_position:  # Mistral windows every layer
+        return (SLIDING,) * layers, int(window)
+    return (), 0
+
+
 def _hf_config(raw: dict) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
         raise ModelLoadError(f"unsupported architecture {archs} (supported: {', '.join(HF_ARCHITECTURES)})")
+    if (field := _unsupported(raw, arch)) is not None:
+        raise ModelLoadError(f"{archs[0]}: config.json sets {field}, which this engine does not implement")
     heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads", heads),
-        head_dim=raw.get("head_dim") or hidden // heads,
-        max_position=raw.get("max_position_embeddings", 2048),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
-    )
+    layers = raw["num_hidden_layers"]
+    max_position = raw.get("max_position_embeddings", 2048)
+    rope, local_rope = _hf_ropes(raw, arch, max_position)
+    layer_types, window = _hf_layer_types(raw, arch, layers, max_position)
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or hidden // heads,
+            max_position=max_position,
+            rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma3")),
+            qkv_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
+            rope=rope,
+            local_rope=local_rope,
+            layer_types=layer_types,
+            sliding_window=window,
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256) if arch == "gemma3" else 0),
+        )
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"{archs[0]}: {e}") from e
 
 
 def hf_dir_config(path: Path) -> ModelConfig:

@@ -13,11 +13,16 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+GGUF_TOKEN_TYPE_UNKNOWN = 2
 GGUF_TOKEN_TYPE_CONTROL = 3
 GGUF_TOKEN_TYPE_USER_DEFINED = 4
+
+SPIECE_SPACE = "\u2581"  # SentencePiece's visible space, '▁'
+# transformers builds these architectures' SentencePiece vocabularies Gemma's way (see _sentencepiece_vocab)
+_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 
 
 class TokenizerError(ValueError):
@@ -81,24 +86,19 @@ class Tokenizer:
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE)")
-        tokens: list[str] = fields["tokenizer.ggml.tokens"]
-        types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-        backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        backend.decoder = decoders.ByteLevel()
-        special = [t for t, ty in zip(tokens, types) if ty == GGUF_TOKEN_TYPE_CONTROL]
-        user = [t for t, ty in zip(tokens, types) if ty == GGUF_TOKEN_TYPE_USER_DEFINED]
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-        backend.add_tokens([AddedToken(t, normalized=False) for t in user])
+        if kind == "gpt2":
+            backend, add_bos_default = _byte_level_backend(fields), False
+        elif kind == "llama":
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+            backend, add_bos_default = _sentencepiece_backend(fields), True
+        else:
+            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
         return cls(
             backend,
             SpecialTokens(
                 bos_id=fields.get("tokenizer.ggml.bos_token_id"),
                 eos_id=fields.get("tokenizer.ggml.eos_token_id"),
-                add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+                add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
             ),
             fields.get("tokenizer.chat_template"),
         )
@@ -134,6 +134,110 @@ class Tokenizer:
             "chat_template": self.chat_template,
         }
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def _byte_level_backend(fields: dict[str, Any]) -> HFTokenizer:
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    types = _token_types(fields)
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    special = [t for t, ty in zip(tokens, types) if ty == GGUF_TOKEN_TYPE_CONTROL]
+    user = [t for t, ty in zip(tokens, types) if ty == GGUF_TOKEN_TYPE_USER_DEFINED]
+    _add_whole_tokens(backend, special, user)
+    return backend
+
+
+def _sentencepiece_backend(fields: dict[str, Any]) -> HFTokenizer:
+    """SentencePiece BPE with byte fallback, built as transformers builds it from the same GGUF
+    (integrations/gguf/gguf_tokenizer_mapping.py with GemmaTokenizer / LlamaTokenizer)."""
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    types = _token_types(fields)
+    vocab, merges = _sentencepiece_vocab(fields)
+    unk = _token_at(tokens, fields.get("tokenizer.ggml.unknown_token_id"))
+    if unk is None:
+        unk = next((t for t, ty in zip(tokens, types) if ty == GGUF_TOKEN_TYPE_UNKNOWN), None)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    _set_sentencepiece_pipeline(backend, add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)))
+    # The named tokens count as special even when the file does not mark them control (a
+    # llama vocabulary marks <unk> 'unknown'), as transformers makes them.
+    named = [_token_at(tokens, fields.get(f"tokenizer.ggml.{key}_token_id")) for key in ("bos", "eos", "unknown", "padding")]
+    special = [t for t, ty in zip(tokens, types) if ty in (GGUF_TOKEN_TYPE_CONTROL, GGUF_TOKEN_TYPE_UNKNOWN)]
+    special += [t for t in named if t is not None and t not in special]
+    # A user-defined token is only kept whole if the vocabulary spells it as the file does; Gemma's
+    # runs of spaces, respelled in _sentencepiece_vocab, are reached through merges instead.
+    user = [t for t, ty in zip(tokens, types) if ty == GGUF_TOKEN_TYPE_USER_DEFINED and t in vocab]
+    _add_whole_tokens(backend, special, user)
+    return backend
+
+
+def _sentencepiece_vocab(fields: dict[str, Any]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The vocabulary and its merges: the file's merges if it has them, else derived from the tokens.
+
+    Gemma needs two fixes (as in transformers): its runs of two or more spaces are stored as real
+    spaces but looked up as '▁' runs (the normalizer turns spaces into '▁'), so they are respelled;
+    and its scores do not follow its merge order -- the order of the tokens in the file does.
+    """
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    gemma = fields.get("general.architecture") in _GEMMA_ARCHITECTURES
+    if gemma:
+        tokens = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}  # a repeated token keeps its last id, as in tokenizers
+    if "tokenizer.ggml.merges" in fields:
+        return vocab, [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    scores = fields.get("tokenizer.ggml.scores")
+    if gemma or scores is None:
+        ranks = list(vocab.values())
+    else:
+        ranks = [-scores[i] for i in vocab.values()]  # a higher score merges first
+    return vocab, _derived_merges(list(vocab), ranks)
+
+
+def _derived_merges(tokens: list[str], ranks: list[float]) -> list[tuple[str, str]]:
+    """The merges a vocabulary implies: every split of a token into two tokens, ordered by the
+    token's rank (lowest first), then longer left half, then longer token -- the order of
+    transformers' generate_merges. One pass in rank order, so only tied ranks need a sort
+    (under a second for Gemma's 262k tokens)."""
+    rank = dict(zip(tokens, ranks))
+    by_rank = sorted(tokens, key=rank.__getitem__)  # stable: tied tokens keep file order
+    merges = [
+        (left, right)
+        for token in by_rank
+        for k in range(len(token) - 1, 0, -1)
+        if (left := token[:k]) in rank and (right := token[k:]) in rank
+    ]
+    if len(set(ranks)) < len(ranks):  # only tied tokens' merges can be out of order
+        merges.sort(key=lambda m: (rank[m[0] + m[1]], -len(m[0]), -len(m[1])))
+    return merges
+
+
+def _set_sentencepiece_pipeline(backend: HFTokenizer, add_space_prefix: bool) -> None:
+    steps = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        # LlamaTokenizer's way: '▁' before the text's first piece only, taken off again on decode
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE_SPACE, prepend_scheme="first", split=False)
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    else:
+        # GemmaTokenizer's way. No pre-tokenizer: BPE sees each stretch between added tokens
+        # whole, as SentencePiece does (GemmaTokenizer's Split(" ") finds no space left to split on).
+        backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+    backend.decoder = decoders.Sequence(steps)
+
+
+def _add_whole_tokens(backend: HFTokenizer, special: list[str], user: list[str]) -> None:
+    """Control tokens become special (matched whole, dropped by decode(skip_special)); user-defined
+    ones plain added tokens (matched whole, kept on decode)."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    backend.add_tokens([AddedToken(t, normalized=False) for t in user])
+
+
+def _token_types(fields: dict[str, Any]) -> list[int]:
+    return fields.get("tokenizer.ggml.token_type", [1] * len(fields["tokenizer.ggml.tokens"]))
+
+
+def _token_at(tokens: list[str], token_id: int | None) -> str | None:
+    return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
 
 def _compile_template(source: str) -> jinja2.Template:
