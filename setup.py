@@ -11,4 +11,5 @@ for folder in FOLDERS:
     package_dir[f"pulseinfer.{folder}"] = folder
     packages += [f"pulseinfer.{name}" for name in find_packages(include=[folder, f"{folder}.*"])]
 
-setup(packages=packages, package_dir=package_dir)
+# the --load-format dummy geometries (config.json files)
+setup(packages=packages, package_dir=package_dir, package_data={"pulseinfer.common.model": ["geometries/*/config.json"]})

@@ -11,7 +11,7 @@ import uvicorn
 from pulseinfer.common import grpc_common
 from pulseinfer.common.api_key import resolve_api_key
 from pulseinfer.common.grpc_common import add_health_and_reflection, add_servicer, set_serving
-from pulseinfer.common.model.meta import load_model_meta
+from pulseinfer.common.model.meta import load_model_meta, served_name
 from pulseinfer.gateway.core import GatewayCore
 from pulseinfer.gateway.grpc_api import SERVICE, GenerationService
 from pulseinfer.gateway.http_api import MAX_REQUEST_BYTES, HttpApi
@@ -24,7 +24,8 @@ log = logging.getLogger("gateway")
 @dataclass(frozen=True)
 class GatewayConfig:
     model: str | None = None  # for the tokenizer and the context limit; the workers load the weights
-    served_model_name: str | None = None  # default: the model file's name without suffixes
+    load_format: str = "auto"  # auto | dummy: seeded random weights of the model's geometry
+    served_model_name: str | None = None  # default: the --model name, or the model file's name without suffixes
     scheduler: str = "127.0.0.1:50052"
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -40,8 +41,8 @@ class GatewayConfig:
 
 async def serve(config: GatewayConfig) -> None:
     api_key = config.resolved_api_key()  # once, first: a bad --api-key-file fails before anything starts
-    meta = load_model_meta(config.model)
-    model_id = config.served_model_name or meta.source.name.split(".")[0]
+    meta = load_model_meta(config.model, config.load_format)
+    model_id = config.served_model_name or served_name(config.model, meta.source)
     channel = grpc.aio.insecure_channel(config.scheduler)
     core = GatewayCore(meta, model_id, generate_pb2_grpc.SchedulerStub(channel), GatewayMetrics())
 

@@ -22,7 +22,7 @@ def main() -> None:
     context = zmq.Context()
     try:
         kv_store = KVStoreClient(context, config.kv_store, config.kv_store_timeout_s)
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, config.load_format)
         c, w = loaded.config, config.worker
 
         def attach() -> PoolView:

@@ -28,6 +28,7 @@ POLL_MS = 200  # how soon a shutdown signal is noticed while idle
 @dataclass(frozen=True)
 class WorkerServiceConfig:
     model: str | None = None
+    load_format: str = "auto"  # auto | dummy: seeded random weights of the model's geometry
     scheduler: str = "tcp://127.0.0.1:5557"  # the scheduler's worker socket
     kv_store: str = "tcp://127.0.0.1:5560"
     worker_id: int = 0

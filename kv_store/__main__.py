@@ -13,7 +13,9 @@ def main() -> None:
     config = parse_config(KVStoreConfig, "python -m pulseinfer.kv_store", "PulseInfer host KV store")
     setup_logging("kv_store")
     stop = stop_on_signals()
-    geometry = PoolGeometry.for_model(load_model_meta(config.model).config, config.block_size, config.host_kv_tokens, config.kv_dtype)
+    geometry = PoolGeometry.for_model(
+        load_model_meta(config.model, config.load_format).config, config.block_size, config.host_kv_tokens, config.kv_dtype
+    )
     serve(config, geometry, stop)
 
 

@@ -33,6 +33,7 @@ REAP_INTERVAL_S = 1.0  # how often registered workers' pids are checked
 @dataclass(frozen=True)
 class KVStoreConfig:
     model: str | None = None  # the pool's geometry follows the model's layers, KV heads and head size
+    load_format: str = "auto"  # auto | dummy: seeded random weights of the model's geometry
     bind: str = "tcp://127.0.0.1:5560"
     block_size: int = 16
     host_kv_tokens: int = 65536  # pool capacity; the segment is sparse until written

@@ -26,7 +26,8 @@ from pulseinfer.scheduler.request import FinishReason, SamplingParams, Sequence
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # GGUF file or HF directory; default: SmolLM2-135M-Instruct
+    model: str | None = None  # GGUF file, HF directory or a model name; default: SmolLM2-135M-Instruct
+    load_format: str = "auto"  # auto | dummy: seeded random weights of the model's geometry
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     host_kv_tokens: int = 131072  # the in-process host pool (private memory, faulted in as used)
@@ -64,7 +65,7 @@ class Engine:
         the worker's own I/O thread (bench.layer_ahead passes a kv_store process's pool and engine)."""
         started = time.perf_counter()
         self.config = config
-        self.loaded = loaded or load_model(config.model)
+        self.loaded = loaded or load_model(config.model, config.load_format)
         self.tokenizer = self.loaded.tokenizer
         check_mode(config.worker.mode, config.batcher.offload)
         offloading = config.batcher.offload != "never" and config.worker.mode != "dense"

@@ -45,6 +45,7 @@ RUN_DIR_PREFIX = "pulseinfer-run-"
 @dataclass(frozen=True)
 class ServeConfig:
     model: str | None = None
+    load_format: str = "auto"  # auto | dummy: seeded random weights of the model's geometry
     workers: int = 1
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -133,7 +134,14 @@ class Cluster:
         self.kv_address = kv
         block = config.worker.block_size
         kv_dtype = str(config.worker.torch_dtype()).removeprefix("torch.")
-        kv_config = KVStoreConfig(model=config.model, bind=kv, block_size=block, host_kv_tokens=config.host_kv_tokens, kv_dtype=kv_dtype)
+        kv_config = KVStoreConfig(
+            model=config.model,
+            load_format=config.load_format,
+            bind=kv,
+            block_size=block,
+            host_kv_tokens=config.host_kv_tokens,
+            kv_dtype=kv_dtype,
+        )
         sched_config = SchedulerConfig(
             grpc_bind=self.scheduler_address,
             workers_bind=workers,
@@ -143,6 +151,7 @@ class Cluster:
         )
         gateway_config = GatewayConfig(
             model=config.model,
+            load_format=config.load_format,
             scheduler=self.scheduler_address,
             host=config.host,
             http_port=config.http_port,
@@ -157,6 +166,7 @@ class Cluster:
                 to_flags(
                     WorkerServiceConfig(
                         model=config.model,
+                        load_format=config.load_format,
                         scheduler=workers,
                         kv_store=kv,
                         worker_id=i,

@@ -16,6 +16,7 @@ from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.gpu_worker.attention.base import StepAttention, Suspension
 from pulseinfer.gpu_worker.attention.paged import decode_attention
 from pulseinfer.gpu_worker.batch import ForwardBatch
+from pulseinfer.gpu_worker.kv_cache import check_fits
 from pulseinfer.kernels.attention import GatherWorkspace
 from pulseinfer.scheduler.plan import StepPlan
 
@@ -29,6 +30,8 @@ class WindowCache:
         self.window = config.sliding_window
         self.index = {layer: i for i, layer in enumerate(config.sliding_layers)}  # model layer -> ring layer
         shape = (len(self.index), rings * self.window, config.num_kv_heads, config.head_dim)
+        nbytes = 2 * torch.Size(shape).numel() * dtype.itemsize
+        check_fits(nbytes, device, f"the sliding-window KV of {rings} running requests (--max-running)")
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.free = list(range(rings - 1, -1, -1))

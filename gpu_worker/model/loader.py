@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,20 +21,58 @@ import torch
 
 from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.common.model.gguf_file import GGUFTensor
-from pulseinfer.common.model.meta import ModelLoadError, hf_dir_config, open_model, read_gguf_model
+from pulseinfer.common.model.meta import ModelLoadError, check_load_format, dir_tokenizer, hf_dir_config, open_model, read_gguf_model
 from pulseinfer.common.model.tokenizer import Tokenizer
 
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     source: Path
 
 
-def load_model(path: str | Path | None = None) -> LoadedModel:
+def load_model(path: str | Path | None = None, load_format: str = "auto") -> LoadedModel:
+    """A model's config, tokenizer and weights: its files', or with load_format `dummy` seeded random
+    ones of its config's geometry (a GGUF file, a directory, or a name of meta.GEOMETRIES)."""
+    check_load_format(load_format)
+    if load_format == "dummy":
+        return open_model(path, hf_dir=_dummy_hf_dir, gguf=_dummy_gguf)
     return open_model(path, hf_dir=_load_hf_dir, gguf=_load_gguf)
+
+
+class DummyWeights(Mapping[str, torch.Tensor]):
+    """Every weight the config's math reads, made when read (never all held at once) from a seed and
+    its name: the same on every device and in every process. Linear weights and biases are N(0, 0.02),
+    norms the identity (1, or 0 for Gemma's 1 + w)."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0):
+        self.config, self.seed = config, seed
+        self.shapes = weight_shapes(config)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.full(shape, 0.0 if self.config.gemma else 1.0)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=generator).mul_(0.02)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def _dummy_hf_dir(path: Path) -> LoadedModel:
+    config = hf_dir_config(path)
+    return LoadedModel(config, DummyWeights(config), dir_tokenizer(path, "dummy"), path)
+
+
+def _dummy_gguf(path: Path) -> LoadedModel:
+    fields, _, config = read_gguf_model(path)
+    return LoadedModel(config, DummyWeights(config), Tokenizer.from_gguf_fields(fields), path)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -121,7 +161,7 @@ def _load_hf_dir(path: Path) -> LoadedModel:
     config = hf_dir_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{path} has no *.safetensors files")
+        raise ModelLoadError(f"{path} has no *.safetensors files (seeded random weights of its geometry: --load-format dummy)")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update({k: v.float() for k, v in load_file(str(file)).items()})

