@@ -57,6 +57,10 @@ ABLATIONS = ("pulse-no-solohead", "pulse-no-gather", "pulse-no-layer-ahead", "pu
 
 @dataclass(frozen=True)
 class DecodeBenchConfig:
+    model: str | None = None  # a GGUF file, HF directory or model name; default: SmolLM2-135M-Instruct
+    load_format: str = "auto"  # dummy: seeded random weights of the model's geometry
+    device: str = "cpu"
+    prefill_chunk: int = 512  # prefill tokens per step
     requests: int = 16
     context: str = "4000-6000"  # prompt tokens: one length, or min-max spread evenly over the requests
     output_tokens: int = 64
@@ -118,9 +122,16 @@ def engine_config(mode: str, config: DecodeBenchConfig) -> EngineConfig:
     )
     policy = {"dense": "never", "pulse-no-admission": "always"}.get(mode, "auto")
     host_tokens = sum(length + config.output_tokens + config.block_size for length in config.lengths())
-    worker = WorkerConfig(mode=selection, device_kv_tokens=config.device_tokens(), block_size=config.block_size, offload=offload)
-    batcher = BatcherConfig(max_batch_size=config.requests, offload=policy, mixed_steps=False)
-    return EngineConfig(worker=worker, batcher=batcher, host_kv_tokens=host_tokens)
+    worker = WorkerConfig(
+        mode=selection,
+        device=config.device,
+        device_kv_tokens=config.device_tokens(),
+        block_size=config.block_size,
+        offload=offload,
+        max_running=config.requests,
+    )
+    batcher = BatcherConfig(max_batch_size=config.requests, prefill_chunk=config.prefill_chunk, offload=policy, mixed_steps=False)
+    return EngineConfig(model=config.model, load_format=config.load_format, worker=worker, batcher=batcher, host_kv_tokens=host_tokens)
 
 
 def prompts(loaded: LoadedModel, lengths: list[int]) -> list[list[int]]:
@@ -259,7 +270,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
 
 def run(config: DecodeBenchConfig, loaded: LoadedModel | None = None, log=print) -> dict:
     modes = config.mode_list()
-    loaded = loaded or load_model()
+    loaded = loaded or load_model(config.model, config.load_format)
     requests = prompts(loaded, config.lengths())
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for round_ in range(config.rounds):
