@@ -120,6 +120,9 @@ class GatewayMetrics:
                 p + "admission_recall_bytes_per_offloaded_step", "Recall bytes one offloaded request adds per decode step (EMA)."
             ),
             "decode_compute_s": Gauge(p + "admission_decode_compute_seconds", "Predicted compute time of a decode step now."),
+            "max_running": Gauge(
+                p + "worker_max_running", "Requests the worker runs at once: its sliding-window rings (0: no cap of its own)."
+            ),
             "held_for_link": Counter(
                 p + "admission_held_for_link_total", "Requests that waited because their recall would not hide behind compute."
             ),

@@ -265,6 +265,7 @@ class SchedulerCore:
             offloaded=sum(1 for s in w.batcher.running if s.offloaded),
             offloaded_admissions=w.batcher.num_offloaded,
             integrity_error=_integrity_error(w.allocator),
+            max_running=w.limits.max_running,
             **{f"recall_{name}": count for name, count in asdict(c.recall).items()},  # WorkerStats' names for RecallStats' fields
             **_admission_stats(w.batcher),
         )

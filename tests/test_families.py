@@ -223,3 +223,29 @@ def test_weights_the_config_does_not_use_are_refused(model, tokenizer_dir, tmp_p
     (path / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen2ForCausalLM"], "attention_bias": False}))
     with pytest.raises(ModelLoadError, match="does not use"):
         load_model(path)
+
+
+def test_sliding_window_rings_cap_running_requests_and_come_back(model, tokenizer_dir, tmp_path):
+    """Two rings for six requests: the scheduler runs two at a time; a pool too small for them
+    preempts (the ring is freed and the request starts again); every ring is free at the end, and
+    the tokens are those of a worker with a ring for each."""
+    _, path = _tiny("gemma3", model.config.vocab_size, tokenizer_dir, tmp_path)
+    prompts = [text[:-FORCED] for text in _texts(model.config.vocab_size)] * 2
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    roomy = Engine(EngineConfig(model=str(path), worker=WorkerConfig(mode="dense", device_kv_tokens=4096, max_running=8)))
+    expected = [c.token_ids for c in roomy.generate(prompts, params)]
+    tight = Engine(
+        EngineConfig(
+            model=str(path),
+            worker=WorkerConfig(mode="dense", device_kv_tokens=192, max_running=2),
+            batcher=BatcherConfig(prefill_chunk=32),
+        )
+    )
+    ids = [tight.submit(p, params) for p in prompts]
+    done, running = {}, []
+    while tight.batcher.has_work():
+        done |= {c.seq_id: c for c in tight.step()}
+        running.append(len(tight.batcher.running))
+    assert max(running) == 2 and tight.batcher.num_preemptions > 0
+    assert len(tight.runner.window.free) == 2 and not tight.runner.window.rings
+    assert [done[i].token_ids for i in ids] == expected
