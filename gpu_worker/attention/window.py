@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pulseinfer.common.model.config import ModelConfig
-from pulseinfer.gpu_worker.attention.base import StepAttention, Suspension
+from pulseinfer.gpu_worker.attention.base import AttentionBackend, StepAttention, Suspension
 from pulseinfer.gpu_worker.attention.paged import decode_attention
 from pulseinfer.gpu_worker.batch import ForwardBatch
 from pulseinfer.gpu_worker.kv_cache import check_fits
@@ -170,7 +170,7 @@ def window_prefill_attention(
 class WindowedBackend:
     """The full layers' backend, with the sliding layers' rings beside it."""
 
-    def __init__(self, full, cache: WindowCache, config: ModelConfig):
+    def __init__(self, full: AttentionBackend, cache: WindowCache, config: ModelConfig):
         self.full, self.cache = full, cache
         self.full_index = {layer: i for i, layer in enumerate(config.full_layers)}
         self.workspace = GatherWorkspace()
