@@ -241,7 +241,7 @@ def _hf_ropes(raw: dict, arch: str, max_position: int) -> tuple[RopeConfig, Rope
 
 def _unsupported(raw: dict, arch: str) -> str | None:
     """The first config field that would change the math in a way this engine does not implement."""
-    act = raw.get("hidden_activation" if arch == "gemma3" else "hidden_act") or raw.get("hidden_act")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or ("gelu_pytorch_tanh" if arch == "gemma3" else "silu")
     if act not in (("gelu_pytorch_tanh", "gelu_tanh") if arch == "gemma3" else ("silu",)):
         return f"activation {act!r}"
     if arch in ("llama", "mistral", "qwen3") and raw.get("attention_bias"):
