@@ -100,9 +100,10 @@ class ModelRunner:
         if o.scorer == "quest":
             return QuestScorer(c.num_kv_heads, c.head_dim)
         started = time.perf_counter()
-        bases = key_bases(self.model, calibration_ids(loaded.tokenizer, o.calibration_tokens), o.key_rank)[list(c.full_layers)]
+        rank = o.key_rank or c.head_dim // 4
+        bases = key_bases(self.model, calibration_ids(loaded.tokenizer, o.calibration_tokens), rank)[list(c.full_layers)]
         seconds = time.perf_counter() - started
-        log.info("lowrank scorer: rank-%d key bases fitted on %d tokens in %.1f s", o.key_rank, o.calibration_tokens, seconds)
+        log.info("lowrank scorer: rank-%d key bases fitted on %d tokens in %.1f s", rank, o.calibration_tokens, seconds)
         return LowRankScorer(bases)
 
     def release_all(self) -> None:
