@@ -136,19 +136,18 @@ class WindowedAttention:
     def _attend_window(self, ring_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch, step, window = self.batch, self.step, self.cache.window
         k_ring, v_ring = self.cache.k[ring_layer], self.cache.v[ring_layer]
-        # a prefill's context is read before its chunk overwrites the ring's older positions
-        contexts = [
-            (k_ring[r * window : (r + 1) * window].clone(), v_ring[r * window : (r + 1) * window].clone()) for r in step.prefill_rings
-        ]
+        out = torch.empty_like(q)
+        # prefills first: a chunk's writes overwrite the ring's older positions its own queries read
+        for span, ring in zip(batch.prefills, step.prefill_rings):
+            chunk, slots = slice(span.start, span.end), slice(ring * window, (ring + 1) * window)
+            out[chunk] = window_prefill_attention(
+                q[chunk], k[chunk], v[chunk], k_ring[slots], v_ring[slots], batch.positions[chunk], window
+            )
         k_ring.index_copy_(0, step.write_slots, k[step.write_index])
         v_ring.index_copy_(0, step.write_slots, v[step.write_index])
-        out = torch.empty_like(q)
-        if batch.decode_index.numel():
+        if batch.decode_index.numel():  # after the writes: a decode row attends its own token too
             rows = batch.decode_index
             out[rows] = decode_attention(q[rows], k_ring, v_ring, step.decode_rings, step.decode_lens, window, self.workspace)
-        for span, (ctx_k, ctx_v) in zip(batch.prefills, contexts):
-            chunk = slice(span.start, span.end)
-            out[chunk] = window_prefill_attention(q[chunk], k[chunk], v[chunk], ctx_k, ctx_v, batch.positions[chunk], window)
         return out
 
 
