@@ -12,6 +12,7 @@ Attention itself is the backend's (gpu_worker/attention), the order of the layer
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,18 +109,17 @@ class Decoder:
         def norm(name: str) -> torch.Tensor:
             return (weights[name].float() + norm_shift).to(device=device, dtype=torch.float32 if config.gemma else dtype)
 
-        self._w, self._norm_w = w, norm
         self.embed_tokens = w("model.embed_tokens.weight")
         self.embed_scale = torch.tensor(config.hidden_size**0.5 if config.gemma else 1.0, dtype=dtype).item()
         self.lm_head = self.embed_tokens if config.tie_embeddings else w("lm_head.weight")
         self.norm = norm("model.norm.weight")
-        self.layers = [self._layer(f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.layers = [self._layer(f"model.layers.{i}.", w, norm) for i in range(config.num_layers)]
         # the kernels scale scores by head_dim ** -0.5; a family scaling otherwise scales q by the rest
         self.query_scale = config.attention_scale * math.sqrt(config.head_dim)
         self.frequencies = [inverse_frequencies(rope, config.head_dim) for rope in (config.rope, config.local_rope or config.rope)]
 
-    def _layer(self, prefix: str) -> LayerWeights:
-        w, norm, c = self._w, self._norm_w, self.config
+    def _layer(self, prefix: str, w: Callable[[str], torch.Tensor], norm: Callable[[str], torch.Tensor]) -> LayerWeights:
+        c = self.config
         attn = prefix + "self_attn."
         return LayerWeights(
             input_norm=norm(prefix + "input_layernorm.weight"),
