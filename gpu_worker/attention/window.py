@@ -42,10 +42,6 @@ class WindowCache:
         """Requests it holds at once: the scheduler runs no more."""
         return self.k.shape[1] // self.window
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
     def admit(self, plan: StepPlan) -> dict[str, str]:
         """Frees the rings of the requests the plan released, then gives each new one a ring; the
         chunks of requests that cannot have one, with the reason (the scheduler's cap prevents it)."""

@@ -133,9 +133,10 @@ class ModelConfig:
             "rms_norm_eps": self.rms_eps,
             "tie_word_embeddings": self.tie_embeddings,
             "attention_bias": self.qkv_bias,
-            "hidden_act" if not self.gemma else "hidden_activation": "gelu_pytorch_tanh" if self.gemma else "silu",
             "torch_dtype": "float32",
         }
+        # Gemma's config names its activation hidden_activation
+        out |= {"hidden_activation": "gelu_pytorch_tanh"} if self.gemma else {"hidden_act": "silu"}
         if self.layer_types:
             out |= {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
         elif self.architecture in ("mistral", "gemma3"):
