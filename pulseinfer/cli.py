@@ -97,8 +97,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _bench_parser(sub) -> None:
     from pulseinfer.bench import dense_decode, host_pool, layer_ahead, recall_gather, selection_scorers, serving_overhead
+    from pulseinfer.bench import serve as serve_bench
     from pulseinfer.bench.decode import DecodeBenchConfig
-    from pulseinfer.bench.serve import ServeBenchConfig
     from pulseinfer.bench.soak import SoakConfig
 
     p = sub.add_parser("bench", help="benchmarks on the real model")
@@ -108,8 +108,13 @@ def _bench_parser(sub) -> None:
     decode.add_argument("--json", type=Path, help="write the results here")
     decode.add_argument("--plot", type=Path, help="write a PNG of throughput, TPOT and recall bytes per layer here")
     decode.set_defaults(handler=_bench_decode)
-    serve = kinds.add_parser("serve", help="a load generator over the HTTP API of a running `pulseinfer serve`")
-    add_flags(serve, ServeBenchConfig)
+    serve = kinds.add_parser(
+        "serve",
+        help="a load generator over the HTTP API of a running `pulseinfer serve`: random prompts, or a Mooncake trace (--trace)",
+        description=serve_bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_flags(serve, serve_bench.ServeBenchConfig)
     serve.add_argument("--json", type=Path, help="write the results here")
     serve.set_defaults(handler=_bench_serve)
     soak = kinds.add_parser("soak", help="a long mix of normal, hostile and abandoned requests; the server must stay right and end idle")

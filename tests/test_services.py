@@ -195,6 +195,27 @@ def test_bench_serve_drives_the_http_api(cluster, tmp_path):
     assert 0 < report["ttft"]["p50_ms"] <= report["e2e"]["p50_ms"] and report["tpot"]["mean_ms"] > 0 and report["itl"]["p99_ms"] > 0
 
 
+def test_bench_serve_replays_a_trace(cluster, tmp_path):
+    rows = [(0, 1024, 128, [0, 1]), (200, 1300, 128, [0, 1, 2]), (400, 700, 128, [0, 3]), (600, 300, 128, [4])]  # blocks 0 and 1 shared
+    keys = ("timestamp", "input_length", "output_length", "hash_ids")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(dict(zip(keys, row))) + "\n" for row in rows))
+    out = tmp_path / "trace.json"
+    (tmp_path / "key").write_text(API_KEY)
+    flags = ("--base-url", cluster.base_url, "--api-key-file", str(tmp_path / "key"), "--trace", str(trace), "--json", str(out))
+    replay = ("--length-scale", "0.03125", "--time-scale", "2", "--max-concurrency", "2", "--slo-ttft-ms", "600000")  # blocks of 16 tokens
+    command = [sys.executable, "-m", "pulseinfer.cli", "bench", "serve", *flags, *replay]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["completed"] == 4 and report["output_token_throughput"] == pytest.approx(4 * 4 / report["duration_s"])
+    assert report["goodput"] == report["request_throughput"] and report["slo_attainment"] == 1.0
+    assert report["prompt_tokens"] == 32 + 41 + 22 + 9 and 0 <= report["cached_tokens"] <= report["prompt_tokens"]
+    trace_report = report["trace"]
+    assert trace_report["max_model_len"] == 8192 and trace_report["block_tokens"] == 16 and trace_report["replay_span_s"] == 0.3
+    assert trace_report["potential_block_hit_rate"] == 3 / 8  # of 2 + 3 + 2 + 1 blocks, the second's first two and the third's first
+
+
 @pytest.mark.parametrize(("path", "body", "status"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_input_gets_status_and_error_body(cluster, path, body, status):
     got_status, got = cluster.request(path, body)
