@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from pulseinfer.common.memory import check_fits
 from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.kv_store.client import recall_target
 from pulseinfer.kv_store.cuda_ipc import ExportedCache
@@ -32,18 +32,6 @@ class KVCacheSpec:
         return cls(num_blocks=tokens // block_size, block_size=block_size)
 
 
-def check_fits(nbytes: int, device: torch.device, what: str) -> None:
-    """Refuses an allocation the device cannot hold with the flag to change, rather than be killed
-    (CPU: the kernel's OOM killer takes the process) or fail deep inside torch."""
-    if device.type == "cuda":
-        available = torch.cuda.mem_get_info(device)[0]
-    else:
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        available = int(meminfo["MemAvailable"].split()[0]) * 1024
-    if nbytes > available:
-        raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB, {device.type} memory has {available / 2**30:.1f} GiB available")
-
-
 class PagedKVCache:
     """K and V per layer as [slots, kv_heads, head_dim]; slot = block * block_size + offset.
 
@@ -54,7 +42,8 @@ class PagedKVCache:
     def __init__(self, config: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, shared: bool = False):
         self.spec = spec
         self.shape = CacheShape(config.kv_layers, spec.num_tokens, config.num_kv_heads, config.head_dim, spec.block_size)
-        check_fits(self.shape.segment_bytes(dtype), device, f"the device KV pool of {spec.num_tokens} tokens (--device-kv-tokens)")
+        what = f"the device KV pool of {spec.num_tokens} tokens (--device-kv-tokens)"
+        check_fits(self.shape.segment_bytes(dtype), device, what, shared=shared)
         self.segment: Segment | None = None
         self.completion: SegmentHeader | ExportedCache | None = None  # how a recall by the engine is known to have landed
         if shared and device.type == "cpu":

@@ -16,6 +16,7 @@ import torch
 import zmq
 from google.protobuf.message import DecodeError
 
+from pulseinfer.common.memory import check_fits
 from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
 from pulseinfer.kv_store.client import io_address, pid_namespace
 from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES
@@ -146,6 +147,8 @@ class KVStore:
 
 def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) -> None:
     sweep()
+    what = f"the host KV pool of {config.host_kv_tokens} tokens (--host-kv-tokens)"
+    check_fits(geometry.total_bytes, torch.device("cpu"), what, shared=True)
     pool = SharedPool(geometry, populate=config.prefault)
     context = zmq.Context()
     socket = context.socket(zmq.REP)

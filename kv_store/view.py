@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from pulseinfer.common.memory import check_fits
 from pulseinfer.kv_store.layout import unit_bytes
 from pulseinfer.kv_store.pool import prefault
 from pulseinfer.kv_store.segments import open_segment
@@ -55,6 +56,8 @@ class PoolView:
     def private(cls, num_blocks: int, num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
         """A pool of this process alone (the in-process engine): anonymous memory, zero and faulted in lazily."""
         unit = unit_bytes(kv_heads, block_size, head_dim, dtype.itemsize)
+        what = f"the host KV pool of {num_blocks * block_size} tokens (--host-kv-tokens)"
+        check_fits(num_blocks * num_layers * unit, torch.device("cpu"), what)
         buffer = mmap.mmap(-1, num_blocks * num_layers * unit)
         return cls(buffer, num_blocks, num_layers, kv_heads, block_size, head_dim, dtype)
 

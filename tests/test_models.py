@@ -4,6 +4,10 @@ transformers loading the same file; a Qwen3-0.6B geometry with seeded random wei
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import openai
 import pytest
 import torch
@@ -11,6 +15,7 @@ from serving_cluster import ServingCluster
 
 from pulseinfer.common.model.meta import GEOMETRIES, ModelLoadError, gemma3_270m_path, hf_dir_config, load_model_meta
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_check import tiny
 from pulseinfer.gpu_worker.model.loader import DummyWeights, load_model, weight_shapes
 from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.scheduler.request import SamplingParams
@@ -125,3 +130,18 @@ def test_dummy_qwen3_geometry_serves_the_openai_client(dummy_cluster):
     assert got.choices[0].text == expected.text
     status, body = dummy_cluster.http("/metrics", None, {}, None)
     assert status == 200 and b"pulseinfer:" in body
+
+
+def test_kv_pools_the_machine_cannot_hold_are_refused_naming_their_flag(tmp_path):
+    """A pool larger than the free memory is refused at start-up with its flag, in process and in
+    the kv_store, rather than failing in mmap or being killed by the OOM killer mid-request."""
+    config = json.loads((GEOMETRIES / "qwen3-0.6b" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(tiny(config)))
+    huge = 1 << 40  # tokens: 512 TiB of KV at 512 B a token
+    with pytest.raises(ValueError, match=r"the host KV pool of \d+ tokens \(--host-kv-tokens\) needs .* GiB, cpu memory has"):
+        Engine(EngineConfig(model=str(tmp_path), load_format="dummy", host_kv_tokens=huge))
+    with pytest.raises(ValueError, match=r"the device KV pool of \d+ tokens \(--device-kv-tokens\) needs"):
+        Engine(EngineConfig(model=str(tmp_path), load_format="dummy", worker=WorkerConfig(mode="dense", device_kv_tokens=huge)))
+    flags = ["--model", str(tmp_path), "--load-format", "dummy", "--host-kv-tokens", str(huge), "--bind", f"ipc://{tmp_path}/kv"]
+    done = subprocess.run([sys.executable, "-m", "pulseinfer.kv_store", *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "(--host-kv-tokens) needs" in done.stderr and "shared memory" in done.stderr, done.stderr[-2000:]

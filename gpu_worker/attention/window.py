@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pulseinfer.common.memory import check_fits
 from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.gpu_worker.attention.base import AttentionBackend, StepAttention, Suspension
 from pulseinfer.gpu_worker.attention.paged import decode_attention
 from pulseinfer.gpu_worker.batch import ForwardBatch
-from pulseinfer.gpu_worker.kv_cache import check_fits
 from pulseinfer.kernels.attention import GatherWorkspace
 from pulseinfer.scheduler.plan import StepPlan
 
