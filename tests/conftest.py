@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from pulseinfer.common.model.meta import default_model_path
+from pulseinfer.common.model.meta import ModelLoadError, default_model_path
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 
@@ -29,7 +29,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def model() -> LoadedModel:
-    return load_model()
+    try:
+        return load_model()
+    except ModelLoadError as e:
+        if torch.cuda.is_available():  # a GPU check's machine, where the 98 MB model file may not travel
+            pytest.skip(str(e))
+        raise
 
 
 @pytest.fixture(scope="session")

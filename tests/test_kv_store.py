@@ -3,6 +3,7 @@ I/O engine recalling into a worker's shared KV cache."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from pulseinfer.common.model.meta import load_model_meta
+from pulseinfer.common.model.meta import load_model_config
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
 from pulseinfer.kernels.gather_scatter import recall_ref
 from pulseinfer.kv_store.allocator import PoolExhausted
@@ -28,6 +29,21 @@ from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 # SmolLM2-135M: 3 kv heads x 64 dims; the pool is for fp32, block 16
 KV_HEADS, HEAD_DIM, BLOCK = 3, 64, 16
 POOL_TOKENS = 64 * BLOCK
+# its KV geometry (30 layers) as a config alone: the kv_store and a cache read no weights and no
+# tokenizer, so these tests run where the model file is not installed (a GPU check's machine)
+GEOMETRY = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+}
 
 # One mapper process: registers, maps the pool, then writes or checks seeded blocks.
 MAPPER = textwrap.dedent(
@@ -63,18 +79,29 @@ def stop_kv_store(child: Child) -> None:
 
 
 @pytest.fixture(scope="module")
-def kv_store(tmp_path_factory):
+def geometry(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("geometry")
+    (path / "config.json").write_text(json.dumps(GEOMETRY))
+    return path
+
+
+def model_flags(geometry: Path) -> tuple[str, ...]:
+    return ("--model", str(geometry), "--load-format", "dummy")
+
+
+@pytest.fixture(scope="module")
+def kv_store(tmp_path_factory, geometry):
     address = f"ipc://{tmp_path_factory.mktemp('kv')}/kv_store"
-    child = start_kv_store(address, POOL_TOKENS, timeout_s=60)
+    child = start_kv_store(address, POOL_TOKENS, *model_flags(geometry), timeout_s=60)
     yield address
     stop_kv_store(child)
 
 
 @pytest.fixture(scope="module")
-def staging_kv_store(tmp_path_factory):
+def staging_kv_store(tmp_path_factory, geometry):
     """A kv_store whose engine stages every whole-unit recall into a CUDA cache (the default maps 24 KiB units)."""
     address = f"ipc://{tmp_path_factory.mktemp('kv')}/kv_store"
-    child = start_kv_store(address, POOL_TOKENS, "--staging-min-kib", "1", timeout_s=60)
+    child = start_kv_store(address, POOL_TOKENS, "--staging-min-kib", "1", *model_flags(geometry), timeout_s=60)
     yield address
     stop_kv_store(child)
 
@@ -120,9 +147,10 @@ def test_a_worker_with_another_geometry_is_refused(kv_store):
         client.close()
 
 
-def test_the_segment_is_gone_after_shutdown(tmp_path):
+def test_the_segment_is_gone_after_shutdown(tmp_path, geometry):
     address = f"ipc://{tmp_path}/kv"
-    process = subprocess.Popen([sys.executable, "-m", "pulseinfer.kv_store", "--bind", address, "--host-kv-tokens", str(POOL_TOKENS)])
+    flags = ["--bind", address, "--host-kv-tokens", str(POOL_TOKENS), *model_flags(geometry)]
+    process = subprocess.Popen([sys.executable, "-m", "pulseinfer.kv_store", *flags])
     deadline = time.monotonic() + 60
     while not (segments := list(Path("/dev/shm").glob(f"pulseinfer-kv-{process.pid}-*"))) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -151,11 +179,12 @@ TARGET_HOLDER = textwrap.dedent(
     """
     import sys, time, torch, zmq
     from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
-    from pulseinfer.common.model.meta import load_model_meta
+    from pulseinfer.common.model.meta import load_model_config
     from pulseinfer.kv_store.client import KVStoreClient
     client = KVStoreClient(zmq.Context.instance(), sys.argv[1])
     client.register(worker_id=9)
-    cache = PagedKVCache(load_model_meta(None).config, KVCacheSpec(4, 16), torch.float32, torch.device("cpu"), shared=True)
+    config = load_model_config(sys.argv[2], "dummy")
+    cache = PagedKVCache(config, KVCacheSpec(4, 16), torch.float32, torch.device("cpu"), shared=True)
     client.open_recall(cache.recall_target(9))
     print(cache.segment.name, flush=True)
     time.sleep(600)
@@ -163,13 +192,14 @@ TARGET_HOLDER = textwrap.dedent(
 )
 
 
-def check_recalls(address: str, device: str) -> None:
+def check_recalls(address: str, device: str, geometry: Path) -> None:
     """A worker's cache on `device`, opened by the kv_store at `address` as a recall target: the
     engine's recalls land bit-exact where asked and nowhere else; bad requests are refused."""
     context = zmq.Context.instance()
     client = KVStoreClient(context, address)
     view = PoolView.attach(client.register(worker_id=7), KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
-    cache = PagedKVCache(load_model_meta(None).config, KVCacheSpec(8, BLOCK), torch.float32, torch.device(device), shared=True)
+    config = load_model_config(geometry, "dummy")
+    cache = PagedKVCache(config, KVCacheSpec(8, BLOCK), torch.float32, torch.device(device), shared=True)
     remote = None
 
     def cached() -> tuple[torch.Tensor, torch.Tensor]:  # [layer, block, token, head, dim]; on CUDA read on the stream that waited
@@ -212,14 +242,14 @@ def check_recalls(address: str, device: str) -> None:
     assert cache.segment is None or not cache.segment.path.exists()
 
 
-def test_the_io_engine_recalls_into_the_worker_cache_bit_exact(kv_store):
-    check_recalls(kv_store, "cpu")
+def test_the_io_engine_recalls_into_the_worker_cache_bit_exact(kv_store, geometry):
+    check_recalls(kv_store, "cpu", geometry)
 
 
 @pytest.mark.gpu
-def test_the_io_engine_recalls_into_a_cuda_cache_over_cuda_ipc_bit_exact(kv_store, staging_kv_store):
-    check_recalls(kv_store, "cuda")  # whole 24 KiB units and head-wise runs read by the kernel through UVA
-    check_recalls(staging_kv_store, "cuda")  # whole units staged: host gather, one DMA, scatter
+def test_the_io_engine_recalls_into_a_cuda_cache_over_cuda_ipc_bit_exact(kv_store, staging_kv_store, geometry):
+    check_recalls(kv_store, "cuda", geometry)  # whole 24 KiB units and head-wise runs read by the kernel through UVA
+    check_recalls(staging_kv_store, "cuda", geometry)  # whole units staged: host gather, one DMA, scatter
 
 
 def test_a_cuda_cache_is_refused_clearly_where_it_cannot_be_opened(kv_store):
@@ -254,8 +284,8 @@ def test_whole_units_from_the_size_threshold_go_staged_head_wise_fragments_never
     assert not staged(64 << 10, torch.tensor([0]), STAGING_BYTES)  # one kv head of a unit: read in place
 
 
-def test_a_recall_target_of_a_dead_worker_is_unmapped_and_its_segment_removed(kv_store):
-    process = subprocess.Popen([sys.executable, "-c", TARGET_HOLDER, kv_store], stdout=subprocess.PIPE, text=True)
+def test_a_recall_target_of_a_dead_worker_is_unmapped_and_its_segment_removed(kv_store, geometry):
+    process = subprocess.Popen([sys.executable, "-c", TARGET_HOLDER, kv_store, str(geometry)], stdout=subprocess.PIPE, text=True)
     try:
         segment = Path("/dev/shm") / process.stdout.readline().strip()
         assert segment.name.startswith("pulseinfer-cache-") and segment.exists()

@@ -102,6 +102,13 @@ def load_model_meta(path: str | Path | None = None, load_format: str = "auto") -
     return open_model(path, hf_dir=lambda source: _hf_dir_meta(source, load_format), gguf=_gguf_meta)
 
 
+def load_model_config(path: str | Path | None = None, load_format: str = "auto") -> ModelConfig:
+    """The config alone, for a process that only sizes KV (the kv_store): no tokenizer is read, so a
+    geometry needs none (the default model's file may be absent, as on a GPU check's machine)."""
+    check_load_format(load_format)
+    return open_model(path, hf_dir=hf_dir_config, gguf=lambda source: read_gguf_model(source)[2])
+
+
 def open_model(path: str | Path | None, hf_dir: Callable[[Path], T], gguf: Callable[[Path], T]) -> T:
     """Resolves a model path (None: the default model) and reads it with `hf_dir` (a directory) or
     `gguf` (a .gguf file); every failure is a ModelLoadError."""
