@@ -71,6 +71,7 @@ class Final:
     completion_tokens: int
     error: str = ""
     timings: generate_pb2.Timings | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class GatewayCore:
@@ -169,20 +170,27 @@ class GatewayCore:
                     tail = stream.flush()
                     if tail:
                         yield Delta(tail, [])
-                    yield self._final(request, output, arrived, FINISH_NAMES[message.finish_reason], message.error, message.timings)
+                    reason = FINISH_NAMES[message.finish_reason]
+                    yield self._final(request, output, arrived, reason, message.error, message.timings, message.cached_tokens)
                     return
         except grpc.aio.AioRpcError as e:
             yield self._final(request, output, arrived, "error", f"lost the scheduler: {e.details()}")
             return
         yield self._final(request, output, arrived, "error", "the scheduler ended the stream without a final message")
 
-    def _final(self, request: Prepared, output: list[int], arrived: float, reason: str, error: str = "", timings=None) -> Final:
+    def _final(
+        self, request: Prepared, output: list[int], arrived: float, reason: str, error: str = "", timings=None, cached_tokens: int = 0
+    ) -> Final:
         self.metrics.e2e.observe(time.perf_counter() - arrived)
         self.metrics.finished.inc(finished_reason=reason)
-        return Final(reason, len(request.prompt_ids), len(output), error, timings)
+        return Final(reason, len(request.prompt_ids), len(output), error, timings, cached_tokens)
 
     async def abort(self, request_id: str) -> bool:
         return (await self.scheduler.Abort(generate_pb2.AbortRequest(request_id=request_id))).found
+
+    async def reset_prefix_cache(self) -> int:
+        """Every worker's prefix cache forgets its blocks; the device blocks freed."""
+        return (await self.scheduler.ResetPrefixCache(generate_pb2.ResetPrefixCacheRequest())).freed_blocks
 
     async def cluster_stats(self, timeout_s: float = 1.0) -> generate_pb2.SchedulerStats | None:
         try:

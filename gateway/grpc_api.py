@@ -49,7 +49,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                     continue
                 final = generate_pb2.GenerateFinal(
                     finish_reason=FINISH_CODES[event.finish_reason],
-                    usage=generate_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+                    usage=generate_pb2.Usage(
+                        prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens, cached_tokens=event.cached_tokens
+                    ),
                     timings=event.timings,
                     error=event.error,
                 )

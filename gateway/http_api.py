@@ -48,6 +48,7 @@ class HttpApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),  # vLLM's path
         ]
         return Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
 
@@ -86,6 +87,16 @@ class HttpApi:
     async def metrics(self, request: Request) -> Response:
         await self.core.cluster_stats()
         return PlainTextResponse(self.core.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """Drops every worker's cached prefix blocks (those requests hold stay theirs)."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        try:
+            freed = await self.core.reset_prefix_cache()
+        except grpc.aio.AioRpcError as e:
+            return error_response(ApiError(503, f"the scheduler is not answering: {e.details()}"))
+        return JSONResponse({"freed_blocks": freed})
 
     async def _not_found(self, request: Request, exc) -> Response:
         return error_response(ApiError(404, f"no route {request.url.path}", code="not_found"))

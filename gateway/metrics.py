@@ -126,7 +126,15 @@ class GatewayMetrics:
             "held_for_link": Counter(
                 p + "admission_held_for_link_total", "Requests that waited because their recall would not hide behind compute."
             ),
+            # the prefix cache of the device tier: hit rate = hits / queries
+            "prefix_cached_blocks": Gauge(p + "prefix_cache_device_blocks", "Device KV blocks the prefix cache names now."),
+            "prefix_evicted_blocks": Counter(
+                p + "prefix_cache_device_evicted_blocks_total", "Device KV blocks the prefix cache dropped (for room or by a reset)."
+            ),
+            "prefix_queried_tokens": Counter(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+            "prefix_hit_tokens": Counter(p + "prefix_cache_hits_total", "Prompt tokens whose KV the prefix cache had."),
         }
+        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache (0-1).")
         self.allocators_corrupt = Gauge(p + "kv_allocators_corrupt", "Block allocators failing their self-check (0: healthy).")
         self.per_worker = [
             self.offloaded,
@@ -141,6 +149,7 @@ class GatewayMetrics:
             self.decode_tokens,
             self.step_overhead,
             self.preemptions,
+            self.prefix_hit_rate,
             *self.by_field.values(),
         ]
 
@@ -174,6 +183,7 @@ class GatewayMetrics:
             self.device_blocks_total.set(w.device_blocks_total, worker=label)
             for name, metric in self.by_field.items():
                 metric.set(getattr(w, name), worker=label)
+            self.prefix_hit_rate.set(w.prefix_hit_tokens / w.prefix_queried_tokens if w.prefix_queried_tokens else 0.0, worker=label)
 
     def render(self) -> str:
         return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))] + list(self.by_field.values()))

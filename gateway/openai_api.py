@@ -185,6 +185,7 @@ def usage(final: Final) -> dict:
         "prompt_tokens": final.prompt_tokens,
         "completion_tokens": final.completion_tokens,
         "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
     }
 
 

@@ -58,10 +58,27 @@ class BlockAllocator:
             self._refs[block] += 1
         self._owned[owner].extend(blocks)
 
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    def release_blocks(self, owner: str, blocks: list[int]) -> int:
+        """Drops the owner's reference to each of `blocks`; returns how many became free."""
+        owned = self._owned.get(owner, [])
+        if not set(blocks) <= set(owned):
+            raise ValueError(f"{owner!r} holds no reference to blocks {sorted(set(blocks) - set(owned))[:4]}")
+        for block in blocks:
+            owned.remove(block)
+        if not owned:
+            self._owned.pop(owner, None)
+        return self._unref(blocks)
+
     def release(self, owner: str) -> int:
         """Drops every reference the owner holds; returns how many blocks became free."""
+        return self._unref(self._owned.pop(owner, ()))
+
+    def _unref(self, blocks) -> int:
         freed = 0
-        for block in self._owned.pop(owner, ()):
+        for block in blocks:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free.append(block)

@@ -42,6 +42,7 @@ class Completion:
     finish_reason: str
     offloaded: bool = False  # its KV lived mostly in the host pool when it finished
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def completion_tokens(self) -> int:
@@ -55,6 +56,7 @@ class Completion:
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
             "offloaded": self.offloaded,
+            "cached_tokens": self.cached_tokens,
             **({"error": self.error} if self.error else {}),
         }
 
@@ -173,5 +175,12 @@ class Engine:
             stream.flush()
         error = self._errors.pop(seq.seq_id, "")
         return Completion(
-            seq.seq_id, stream.emitted, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason.value, seq.offloaded, error
+            seq.seq_id,
+            stream.emitted,
+            list(seq.output_ids),
+            len(seq.prompt_ids),
+            seq.finish_reason.value,
+            seq.offloaded,
+            error,
+            seq.cached_tokens or 0,
         )

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pulseinfer.kv_store.allocator import BlockAllocator
 from pulseinfer.scheduler.admission import LinkModel
 from pulseinfer.scheduler.plan import Chunk, RecallStats, SampledToken, StepPlan
+from pulseinfer.scheduler.prefix_cache import ROOT, PrefixCache, chain_hashes
 from pulseinfer.scheduler.request import FinishReason, SeqStatus, Sequence
 
 OFFLOAD_POLICIES = ("never", "auto", "always")
+PREFIX_CACHE = ("on", "off")
 
 log = logging.getLogger("scheduler")
 
@@ -40,10 +42,15 @@ class BatcherConfig:
     # decode rows ride along with prefill chunks (chunked prefill); off: a step prefills or decodes,
     # prefill first (SGLang's default), so every admitted request is decoding before decode resumes
     mixed_steps: bool = True
+    # on: a request reuses the device blocks of its longest cached prefix (scheduler/prefix_cache.py);
+    # off on a model with sliding-window layers, whose rings hold no blocks to reuse
+    prefix_cache: str = "on"
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_POLICIES:
             raise ValueError(f"--offload must be one of {', '.join(OFFLOAD_POLICIES)}, got {self.offload!r}")
+        if self.prefix_cache not in PREFIX_CACHE:
+            raise ValueError(f"--prefix-cache must be one of {', '.join(PREFIX_CACHE)}, got {self.prefix_cache!r}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class Batcher:
         self._held: set[str] = set()
         # requests that ended whose worker holds state of its own (host blocks, window rings), for the next plan
         self.released: list[str] = []
+        cached = config.prefix_cache == "on" and not limits.max_running
+        self.prefix = PrefixCache(allocator, limits.block_size) if cached else None
 
     # ------------------------------------------------------------ admission
 
@@ -139,8 +148,10 @@ class Batcher:
             seq = self.waiting[0]
             if not self._place(seq):
                 break
+            self._reuse_prefix(seq)
             chunk = self._prefill_chunk(seq, budget)
             if chunk is None:
+                self._release_blocks(seq)  # it waits holding nothing, cached blocks included
                 break
             self.num_offloaded += seq.offloaded
             self._held.discard(seq.seq_id)
@@ -161,6 +172,7 @@ class Batcher:
         for chunk in plan.chunks:
             if chunk.seq_id in by_id:  # absent when aborted while the step ran
                 by_id[chunk.seq_id].num_cached = chunk.end_pos
+                self._name_blocks(by_id[chunk.seq_id])
         finished = []
         for token in sampled:
             seq = by_id.get(token.seq_id)
@@ -202,6 +214,55 @@ class Batcher:
             offloaded=seq.offloaded,
         )
 
+    # ------------------------------------------------------------ prefix cache
+
+    def _names(self, seq: Sequence, count: int) -> list[bytes]:
+        """The prefix-cache names of the sequence's first `count` full blocks (computed once)."""
+        have = len(seq.block_names)
+        if count > have:
+            parent = seq.block_names[-1] if have else ROOT
+            seq.block_names += chain_hashes(seq.all_ids, self.limits.block_size, have, count - have, parent)
+        return seq.block_names[:count]
+
+    def cached_prefix_blocks(self, seq: Sequence) -> int:
+        """Full blocks of the request's longest cached prefix a resident placement would reuse (the
+        last token is always computed: its logits sample the first output token). Placement across
+        workers prefers the most."""
+        if self.prefix is None:
+            return 0
+        return len(self.prefix.match(self._names(seq, (seq.length - 1) // self.limits.block_size)))
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """A request placed resident starts from the cached blocks of its longest cached prefix."""
+        if self.prefix is None or seq.offloaded:
+            return
+        count = self.prefix.acquire(seq.seq_id, self._names(seq, (seq.length - 1) // self.limits.block_size))
+        seq.num_cached, seq.num_named = count * self.limits.block_size, count
+        if seq.cached_tokens is None:  # the first placement is the one reported
+            seq.cached_tokens = min(seq.num_cached, len(seq.prompt_ids))
+            self.prefix.stats.queried_tokens += len(seq.prompt_ids)
+            self.prefix.stats.hit_tokens += seq.cached_tokens
+
+    def _name_blocks(self, seq: Sequence) -> None:
+        """Gives the cache the resident sequence's full blocks computed since the last step."""
+        if self.prefix is None or seq.offloaded:
+            return
+        full = seq.num_cached // self.limits.block_size
+        if full > seq.num_named:
+            names = self._names(seq, full)
+            self.prefix.insert(names[seq.num_named :], self.allocator.blocks_of(seq.seq_id)[seq.num_named : full])
+            seq.num_named = full
+
+    def _free_blocks(self) -> int:
+        """Device blocks an allocation can have: the free ones and those only the prefix cache holds."""
+        return self.allocator.num_free + (self.prefix.evictable() if self.prefix is not None else 0)
+
+    def drop_prefix_cache(self) -> int:
+        """Forgets every cached block; returns the blocks freed (those no request holds)."""
+        return self.prefix.clear() if self.prefix is not None else 0
+
+    # ------------------------------------------------------------ placement
+
     def _place(self, seq: Sequence) -> bool:
         """Decides whether the request at the head of the queue runs resident or offloaded; False
         when it must wait because its recall would not hide behind compute (and it cannot be resident)."""
@@ -211,7 +272,7 @@ class Batcher:
         running = sum(1 for s in self.running if s.offloaded)
         if running == 0 or self.link.hides(running + 1, len(self.running) + 1):
             return True
-        if self._whole_blocks(seq) <= self.allocator.num_free:
+        if self._new_blocks(seq) <= self._free_blocks():
             seq.offloaded = False
             return True
         if seq.seq_id not in self._held:
@@ -227,20 +288,21 @@ class Batcher:
             return False
         if self.config.offload == "always":
             return True
-        whole = self._whole_blocks(seq)
-        if whole <= self.limits.offload_blocks:
-            return False  # offloading would not save a block
-        return whole > self.allocator.num_free or seq.seq_id in self._longest_under_pressure()
+        new = self._new_blocks(seq)
+        if new <= self.limits.offload_blocks:
+            return False  # offloading would not save a block (a long cached prefix costs a resident request none)
+        return new > self._free_blocks() or seq.seq_id in self._longest_under_pressure()
 
     def _longest_under_pressure(self) -> set[str]:
         """The longest waiting requests, just enough of them that the others fit resident in the
         free device pool when these hold only their offloaded footprint; empty without pressure."""
-        demand = sum(self._whole_blocks(s) for s in self.waiting)
+        demand = sum(self._new_blocks(s) for s in self.waiting)
+        free = self._free_blocks()
         chosen: set[str] = set()
-        for seq in sorted(self.waiting, key=self._whole_blocks, reverse=True):
-            if demand <= self.allocator.num_free or self._whole_blocks(seq) <= self.limits.offload_blocks:
+        for seq in sorted(self.waiting, key=self._new_blocks, reverse=True):
+            if demand <= free or self._new_blocks(seq) <= self.limits.offload_blocks:
                 break
-            demand -= self._whole_blocks(seq) - self.limits.offload_blocks
+            demand -= self._new_blocks(seq) - self.limits.offload_blocks
             chosen.add(seq.seq_id)
         return chosen
 
@@ -248,6 +310,10 @@ class Batcher:
         """Device blocks the request needs to run resident to its end."""
         final = min(len(seq.prompt_ids) + seq.params.max_tokens, self.limits.max_position)
         return -(-final // self.limits.block_size)
+
+    def _new_blocks(self, seq: Sequence) -> int:
+        """Device blocks the request needs to run resident to its end beyond those it would reuse."""
+        return self._whole_blocks(seq) - self.cached_prefix_blocks(seq)
 
     def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
         have = len(self.allocator.blocks_of(seq.seq_id))
@@ -257,6 +323,8 @@ class Batcher:
 
     def _grow(self, seq: Sequence, tokens: int) -> bool:
         need = self._blocks_needed(seq, tokens)
+        if need > self.allocator.num_free and self.prefix is not None:
+            self.prefix.evict(need - self.allocator.num_free)
         if not self.allocator.can_allocate(need):
             return False
         self.allocator.allocate(seq.seq_id, need)
@@ -271,15 +339,21 @@ class Batcher:
                 return False
         return True
 
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.allocator.release(seq.seq_id)
+        seq.num_cached = seq.num_named = 0
+
     def _release(self, seq: Sequence) -> None:
         self.allocator.release(seq.seq_id)
+        if self.prefix is not None:  # what it leaves cached ages from now, its tail first
+            self.prefix.touch(seq.block_names[: seq.num_named])
         if seq.offloaded or self.limits.max_running:  # the worker holds state of its own for it
             self.released.append(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_cached = 0
+        seq.num_cached = seq.num_named = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING

@@ -156,13 +156,19 @@ class SchedulerCore:
         seq_id = request.request_id or uuid.uuid4().hex
         if seq_id in self.requests:
             raise DuplicateRequest(f"request id {seq_id!r} is already in flight")
-        worker = min(self.workers.values(), key=lambda w: w.load, default=None)
-        if worker is None:
+        if not self.workers:
             raise NoWorkers("no worker is alive")
-        seq = Sequence.admit(seq_id, list(request.prompt_ids), params_from_proto(request.sampling), worker.vocab_size)
+        vocab_size = next(iter(self.workers.values())).vocab_size
+        seq = Sequence.admit(seq_id, list(request.prompt_ids), params_from_proto(request.sampling), vocab_size)
+        # the worker whose device pool caches the longest prefix of it, then the least loaded
+        worker = max(self.workers.values(), key=lambda w: (w.batcher.cached_prefix_blocks(seq), -w.load))
         worker.batcher.add(seq)
         state = self.requests[seq_id] = RequestState(seq, worker, sink, self.clock())
         return state
+
+    def reset_prefix_cache(self) -> int:
+        """Every worker's prefix cache forgets its blocks; returns the device blocks freed."""
+        return sum(w.batcher.drop_prefix_cache() for w in self.workers.values())
 
     def abort(self, seq_id: str) -> bool:
         state = self.requests.get(seq_id)
@@ -230,7 +236,8 @@ class SchedulerCore:
             ttft_s=(state.first_token_at or now) - state.submitted_at,
             e2e_s=now - state.submitted_at,
         )
-        state.sink(generate_pb2.ScheduleResponse(finish_reason=FINISH_TO_PROTO[reason], error=error, timings=timings))
+        cached = state.seq.cached_tokens or 0
+        state.sink(generate_pb2.ScheduleResponse(finish_reason=FINISH_TO_PROTO[reason], error=error, timings=timings, cached_tokens=cached))
 
     # ------------------------------------------------------------ stats
 
@@ -266,6 +273,7 @@ class SchedulerCore:
             offloaded_admissions=w.batcher.num_offloaded,
             integrity_error=_integrity_error(w.allocator),
             max_running=w.limits.max_running,
+            **_prefix_stats(w.batcher),
             **{f"recall_{name}": count for name, count in asdict(c.recall).items()},  # WorkerStats' names for RecallStats' fields
             **_admission_stats(w.batcher),
         )
@@ -279,6 +287,18 @@ def _admission_stats(batcher: Batcher) -> dict[str, float]:
         "recall_bytes_per_offloaded_step": link.row_bytes or 0.0,
         "decode_compute_s": link.step_compute(max(1, len(batcher.running))) or 0.0,
         "held_for_link": batcher.num_held_for_link,
+    }
+
+
+def _prefix_stats(batcher: Batcher) -> dict[str, int]:
+    cache = batcher.prefix
+    if cache is None:
+        return {}
+    return {
+        "prefix_cached_blocks": len(cache),
+        "prefix_evicted_blocks": cache.stats.evicted_blocks,
+        "prefix_queried_tokens": cache.stats.queried_tokens,
+        "prefix_hit_tokens": cache.stats.hit_tokens,
     }
 
 

@@ -72,6 +72,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     offloaded: bool = False  # most of its KV in the host pool; decided each time it is (re)admitted
+    cached_tokens: int | None = None  # prompt tokens whose KV the prefix cache had at its first placement
+    block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its leading full blocks
+    num_named: int = 0  # leading blocks the prefix cache has been given since it last started
 
     @classmethod
     def admit(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> Sequence:

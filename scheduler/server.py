@@ -63,6 +63,9 @@ class SchedulerService(generate_pb2_grpc.SchedulerServicer):
     async def Abort(self, request, context):
         return generate_pb2.AbortResponse(found=self.core.abort(request.request_id))
 
+    async def ResetPrefixCache(self, request, context):
+        return generate_pb2.ResetPrefixCacheResponse(freed_blocks=self.core.reset_prefix_cache())
+
     async def Stats(self, request, context):
         stats = self.core.stats()
         stats.MergeFrom(self.kv_monitor.stats())

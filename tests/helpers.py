@@ -12,6 +12,15 @@ from pulseinfer.scheduler.plan import Chunk, SamplingSpec, StepPlan
 GREEDY = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=0, step=0)
 
 
+def assert_device_idle(engine) -> None:
+    """After the last request: the allocator is sound, only the prefix cache holds device blocks,
+    and dropping the cache frees every one."""
+    engine.allocator.check()
+    assert engine.allocator.num_blocks - engine.allocator.num_free == len(engine.batcher.prefix or ())
+    engine.batcher.drop_prefix_cache()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
 def last_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
     """Logits at the last position, prefilling in chunks of `chunk` tokens (one pass if None)."""
     block = runner.cache_spec.block_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import PROMPTS
+from helpers import assert_device_idle
 
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.runner import WorkerConfig
@@ -23,8 +24,7 @@ def test_batched_decode_equals_alone(engine):
     alone = [engine.generate([p], GREEDY_24)[0].token_ids for p in prompts]
     together = [c.token_ids for c in engine.generate(prompts, GREEDY_24)]
     assert together == alone
-    engine.allocator.check()
-    assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert_device_idle(engine)
 
 
 def test_chunked_prefill_and_preemption_keep_tokens(model, engine):
@@ -38,5 +38,4 @@ def test_chunked_prefill_and_preemption_keep_tokens(model, engine):
     got = small.generate(prompts, GREEDY_24)
     assert [c.token_ids for c in got] == expected
     assert small.batcher.num_preemptions > 0
-    small.allocator.check()
-    assert small.allocator.num_free == small.allocator.num_blocks
+    assert_device_idle(small)

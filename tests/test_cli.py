@@ -49,7 +49,7 @@ def test_chat_capital_of_france():
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert "Paris" in out["text"]
-    assert set(out) == {"text", "token_ids", "prompt_tokens", "completion_tokens", "finish_reason", "offloaded"}
+    assert set(out) == {"text", "token_ids", "prompt_tokens", "completion_tokens", "finish_reason", "offloaded", "cached_tokens"}
     assert out["completion_tokens"] == len(out["token_ids"]) and out["finish_reason"] in ("stop", "length")
 
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from helpers import assert_device_idle
 
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker import forward
@@ -37,8 +38,7 @@ def _engine(model, policy: str, device_tokens: int, host_tokens: int = 131072, m
 
 
 def _assert_all_freed(engine: Engine) -> None:
-    engine.allocator.check()
-    assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert_device_idle(engine)
     host = engine.host.allocator
     host.check()
     assert host.num_free == host.num_blocks

@@ -83,7 +83,7 @@ def test_random_requests_aborts_and_disconnects_free_every_block(cluster, client
         return (
             cluster.metric("num_requests_running") == 0
             and cluster.metric("num_requests_waiting") == 0
-            and cluster.metric("worker_device_kv_blocks_used", worker="0") == 0
+            and cluster.metric("worker_device_kv_blocks_used", worker="0") == cluster.metric("prefix_cache_device_blocks", worker="0")
             and cluster.metric("host_kv_blocks_used") == 0
         )
 
@@ -221,7 +221,9 @@ def test_deadline_truncates_through_the_kv_store_engine_and_frees_both_tiers():
         assert 0 < cluster.metric("recall_truncated_units_total", worker="0") <= cluster.metric("recall_units_total", worker="0")
 
         def drained() -> bool:
-            return cluster.metric("worker_device_kv_blocks_used", worker="0") == 0 and cluster.metric("host_kv_blocks_used") == 0
+            used = cluster.metric("worker_device_kv_blocks_used", worker="0")
+            cached = cluster.metric("prefix_cache_device_blocks", worker="0")
+            return used == cached and cluster.metric("host_kv_blocks_used") == 0
 
         cluster.wait_for(drained, 60, "both tiers to be free again")
         assert cluster.metric("kv_allocators_corrupt") == 0

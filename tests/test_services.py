@@ -106,6 +106,43 @@ def test_grpc_generate_streams_the_same_text(client, stub):
     assert info.id == MODEL and info.max_context == 8192
 
 
+def test_a_shared_prefix_is_prefilled_once_and_reported_as_cached(client, cluster, stub):
+    """The second request with a long shared prefix goes to the worker that caches it and reuses
+    every full block of the prefix (usage.prompt_tokens_details.cached_tokens, gRPC usage, /metrics);
+    a reset of the prefix cache frees the blocks and the next request finds none."""
+    prefix = [(i * 7919) % 20000 + 100 for i in range(900)]  # token ids no other test sends
+
+    def complete(tail: list[int]):
+        return client.completions.create(model=MODEL, prompt=prefix + tail, max_tokens=4, temperature=0)
+
+    def hits() -> float:
+        return sum(cluster.metric("prefix_cache_hits_total", worker=w) or 0 for w in ("0", "1"))
+
+    before = hits()
+    cold = complete([11, 12, 13])
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    warm = complete([21, 22])
+    assert warm.usage.prompt_tokens_details.cached_tokens == 896  # the prefix's 56 full blocks of 16
+    assert hits() - before == 896
+    generation, _ = stub
+    request = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prefix + [31]), sampling=generate_pb2.SamplingParams(max_tokens=2, temperature=0.0)
+    )
+    assert list(generation.Generate(request, metadata=AUTH))[-1].final.usage.cached_tokens == 896
+    rates = [cluster.metric("prefix_cache_hit_rate", worker=w) for w in ("0", "1")]
+    assert all(rate is not None and 0 <= rate <= 1 for rate in rates) and max(rates) > 0
+
+    cluster.wait_for(lambda: cluster.metric("num_requests_running") == 0, 30, "the cluster to be idle")
+    for w in ("0", "1"):  # idle: the prefix cache holds every used device block
+        assert cluster.metric("worker_device_kv_blocks_used", worker=w) == cluster.metric("prefix_cache_device_blocks", worker=w)
+    assert cluster.request("/reset_prefix_cache", {}, key=None)[0] == 401
+    status, body = cluster.request("/reset_prefix_cache", {})
+    assert status == 200 and body["freed_blocks"] >= 56
+    for w in ("0", "1"):
+        assert cluster.metric("worker_device_kv_blocks_used", worker=w) == 0 == cluster.metric("prefix_cache_device_blocks", worker=w)
+    assert complete([41]).usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_grpc_errors_health_and_reflection(stub):
     generation, channel = stub
     with pytest.raises(grpc.RpcError) as e:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-pulseinfer/proto/pulseinfer/v1/generate.proto\x12\rpulseinfer.v1\"\x88\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eos\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pulseinfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xda\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pulseinfer.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.pulseinfer.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pulseinfer.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"9\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"0\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\xa0\x01\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.pulseinfer.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.pulseinfer.v1.Usage\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.pulseinfer.v1.Timings\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x8d\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.pulseinfer.v1.GenerateChunkH\x00\x12-\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1c.pulseinfer.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"|\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"j\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pulseinfer.v1.SamplingParams\"\xa3\x01\n\x10ScheduleResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.pulseinfer.v1.FinishReason\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.pulseinfer.v1.Timings\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x08\"\x17\n\x15SchedulerStatsRequest\"\x90\x06\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x05 \x01(\x04\x12\x1a\n\x12\x64\x65vice_blocks_free\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x15\n\rdecode_tokens\x18\x08 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\t \x01(\x04\x12\x18\n\x10max_decode_batch\x18\n \x01(\r\x12\x19\n\x11last_decode_batch\x18\x0b \x01(\r\x12\x17\n\x0fstep_overhead_s\x18\x0c \x01(\x01\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x0b\n\x03pid\x18\x0e \x01(\r\x12\x11\n\toffloaded\x18\x0f \x01(\r\x12\x17\n\x0fintegrity_error\x18\x10 \x01(\t\x12\x1c\n\x14offloaded_admissions\x18\x11 \x01(\x04\x12\x14\n\x0crecall_units\x18\x12 \x01(\x04\x12\x18\n\x10recall_transfers\x18\x13 \x01(\x04\x12\x14\n\x0crecall_bytes\x18\x14 \x01(\x04\x12\x15\n\rrecall_wait_s\x18\x15 \x01(\x01\x12\x1f\n\x17recall_prefetched_units\x18\x16 \x01(\x04\x12\x1e\n\x16recall_corrected_units\x18\x17 \x01(\x04\x12\x18\n\x10recall_io_busy_s\x18\x18 \x01(\x01\x12\x1e\n\x16recall_truncated_units\x18\x1d \x01(\x04\x12\x1d\n\x15recall_suspended_rows\x18\x1e \x01(\x04\x12\x1d\n\x15recall_resumed_layers\x18\x1f \x01(\x04\x12\x18\n\x10link_bytes_per_s\x18\x19 \x01(\x01\x12\'\n\x1frecall_bytes_per_offloaded_step\x18\x1a \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_compute_s\x18\x1b \x01(\x01\x12\x15\n\rheld_for_link\x18\x1c \x01(\x04\x12\x13\n\x0bmax_running\x18  \x01(\r\"\xdb\x02\n\x0eSchedulerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x15\n\rworkers_alive\x18\x03 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x04 \x01(\x04\x12\x1a\n\x12\x64\x65vice_blocks_free\x18\x05 \x01(\x04\x12\x19\n\x11host_blocks_total\x18\x06 \x01(\x04\x12\x18\n\x10host_blocks_free\x18\x07 \x01(\x04\x12+\n\x07workers\x18\x08 \x03(\x0b\x32\x1a.pulseinfer.v1.WorkerStats\x12\x16\n\x0ekv_store_alive\x18\t \x01(\x08\x12\x1c\n\x14host_integrity_error\x18\n \x01(\t\x12\x1f\n\x17kv_store_engine_recalls\x18\x0b \x01(\x04\x12\x1e\n\x16kv_store_engine_busy_s\x18\x0c \x01(\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xed\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pulseinfer.v1.GenerateRequest\x1a\x1f.pulseinfer.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pulseinfer.v1.AbortRequest\x1a\x1c.pulseinfer.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".pulseinfer.v1.GetModelInfoRequest\x1a\x18.pulseinfer.v1.ModelInfo2\xec\x01\n\tScheduler\x12M\n\x08Schedule\x12\x1e.pulseinfer.v1.ScheduleRequest\x1a\x1f.pulseinfer.v1.ScheduleResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pulseinfer.v1.AbortRequest\x1a\x1c.pulseinfer.v1.AbortResponse\x12L\n\x05Stats\x12$.pulseinfer.v1.SchedulerStatsRequest\x1a\x1d.pulseinfer.v1.SchedulerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-pulseinfer/proto/pulseinfer/v1/generate.proto\x12\rpulseinfer.v1\"\x88\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eos\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pulseinfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xda\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pulseinfer.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.pulseinfer.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pulseinfer.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"9\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"0\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\xa0\x01\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.pulseinfer.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.pulseinfer.v1.Usage\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.pulseinfer.v1.Timings\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x8d\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.pulseinfer.v1.GenerateChunkH\x00\x12-\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1c.pulseinfer.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"|\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"j\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pulseinfer.v1.SamplingParams\"\xba\x01\n\x10ScheduleResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.pulseinfer.v1.FinishReason\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.pulseinfer.v1.Timings\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x08\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\x17\n\x15SchedulerStatsRequest\"\x87\x07\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x05 \x01(\x04\x12\x1a\n\x12\x64\x65vice_blocks_free\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x15\n\rdecode_tokens\x18\x08 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\t \x01(\x04\x12\x18\n\x10max_decode_batch\x18\n \x01(\r\x12\x19\n\x11last_decode_batch\x18\x0b \x01(\r\x12\x17\n\x0fstep_overhead_s\x18\x0c \x01(\x01\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x0b\n\x03pid\x18\x0e \x01(\r\x12\x11\n\toffloaded\x18\x0f \x01(\r\x12\x17\n\x0fintegrity_error\x18\x10 \x01(\t\x12\x1c\n\x14offloaded_admissions\x18\x11 \x01(\x04\x12\x14\n\x0crecall_units\x18\x12 \x01(\x04\x12\x18\n\x10recall_transfers\x18\x13 \x01(\x04\x12\x14\n\x0crecall_bytes\x18\x14 \x01(\x04\x12\x15\n\rrecall_wait_s\x18\x15 \x01(\x01\x12\x1f\n\x17recall_prefetched_units\x18\x16 \x01(\x04\x12\x1e\n\x16recall_corrected_units\x18\x17 \x01(\x04\x12\x18\n\x10recall_io_busy_s\x18\x18 \x01(\x01\x12\x1e\n\x16recall_truncated_units\x18\x1d \x01(\x04\x12\x1d\n\x15recall_suspended_rows\x18\x1e \x01(\x04\x12\x1d\n\x15recall_resumed_layers\x18\x1f \x01(\x04\x12\x18\n\x10link_bytes_per_s\x18\x19 \x01(\x01\x12\'\n\x1frecall_bytes_per_offloaded_step\x18\x1a \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_compute_s\x18\x1b \x01(\x01\x12\x15\n\rheld_for_link\x18\x1c \x01(\x04\x12\x13\n\x0bmax_running\x18  \x01(\r\x12\x1c\n\x14prefix_cached_blocks\x18! \x01(\x04\x12\x1d\n\x15prefix_evicted_blocks\x18\" \x01(\x04\x12\x1d\n\x15prefix_queried_tokens\x18# \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18$ \x01(\x04\"\xdb\x02\n\x0eSchedulerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x15\n\rworkers_alive\x18\x03 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x04 \x01(\x04\x12\x1a\n\x12\x64\x65vice_blocks_free\x18\x05 \x01(\x04\x12\x19\n\x11host_blocks_total\x18\x06 \x01(\x04\x12\x18\n\x10host_blocks_free\x18\x07 \x01(\x04\x12+\n\x07workers\x18\x08 \x03(\x0b\x32\x1a.pulseinfer.v1.WorkerStats\x12\x16\n\x0ekv_store_alive\x18\t \x01(\x08\x12\x1c\n\x14host_integrity_error\x18\n \x01(\t\x12\x1f\n\x17kv_store_engine_recalls\x18\x0b \x01(\x04\x12\x1e\n\x16kv_store_engine_busy_s\x18\x0c \x01(\x01\"\x19\n\x17ResetPrefixCacheRequest\"0\n\x18ResetPrefixCacheResponse\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\x04*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xed\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pulseinfer.v1.GenerateRequest\x1a\x1f.pulseinfer.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pulseinfer.v1.AbortRequest\x1a\x1c.pulseinfer.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".pulseinfer.v1.GetModelInfoRequest\x1a\x18.pulseinfer.v1.ModelInfo2\xd1\x02\n\tScheduler\x12M\n\x08Schedule\x12\x1e.pulseinfer.v1.ScheduleRequest\x1a\x1f.pulseinfer.v1.ScheduleResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pulseinfer.v1.AbortRequest\x1a\x1c.pulseinfer.v1.AbortResponse\x12L\n\x05Stats\x12$.pulseinfer.v1.SchedulerStatsRequest\x1a\x1d.pulseinfer.v1.SchedulerStats\x12\x63\n\x10ResetPrefixCache\x12&.pulseinfer.v1.ResetPrefixCacheRequest\x1a\'.pulseinfer.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pulseinfer.proto.pulseinfer.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2814
-  _globals['_FINISHREASON']._serialized_end=2959
+  _globals['_FINISHREASON']._serialized_start=3056
+  _globals['_FINISHREASON']._serialized_end=3201
   _globals['_SAMPLINGPARAMS']._serialized_start=65
   _globals['_SAMPLINGPARAMS']._serialized_end=329
   _globals['_CHATMESSAGE']._serialized_start=331
@@ -44,35 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=465
   _globals['_GENERATEREQUEST']._serialized_end=683
   _globals['_USAGE']._serialized_start=685
-  _globals['_USAGE']._serialized_end=742
-  _globals['_TIMINGS']._serialized_start=744
-  _globals['_TIMINGS']._serialized_end=801
-  _globals['_GENERATECHUNK']._serialized_start=803
-  _globals['_GENERATECHUNK']._serialized_end=851
-  _globals['_GENERATEFINAL']._serialized_start=854
-  _globals['_GENERATEFINAL']._serialized_end=1014
-  _globals['_GENERATERESPONSE']._serialized_start=1017
-  _globals['_GENERATERESPONSE']._serialized_end=1158
-  _globals['_ABORTREQUEST']._serialized_start=1160
-  _globals['_ABORTREQUEST']._serialized_end=1194
-  _globals['_ABORTRESPONSE']._serialized_start=1196
-  _globals['_ABORTRESPONSE']._serialized_end=1226
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1228
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1249
-  _globals['_MODELINFO']._serialized_start=1251
-  _globals['_MODELINFO']._serialized_end=1375
-  _globals['_SCHEDULEREQUEST']._serialized_start=1377
-  _globals['_SCHEDULEREQUEST']._serialized_end=1483
-  _globals['_SCHEDULERESPONSE']._serialized_start=1486
-  _globals['_SCHEDULERESPONSE']._serialized_end=1649
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=1651
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=1674
-  _globals['_WORKERSTATS']._serialized_start=1677
-  _globals['_WORKERSTATS']._serialized_end=2461
-  _globals['_SCHEDULERSTATS']._serialized_start=2464
-  _globals['_SCHEDULERSTATS']._serialized_end=2811
-  _globals['_GENERATION']._serialized_start=2962
-  _globals['_GENERATION']._serialized_end=3199
-  _globals['_SCHEDULER']._serialized_start=3202
-  _globals['_SCHEDULER']._serialized_end=3438
+  _globals['_USAGE']._serialized_end=765
+  _globals['_TIMINGS']._serialized_start=767
+  _globals['_TIMINGS']._serialized_end=824
+  _globals['_GENERATECHUNK']._serialized_start=826
+  _globals['_GENERATECHUNK']._serialized_end=874
+  _globals['_GENERATEFINAL']._serialized_start=877
+  _globals['_GENERATEFINAL']._serialized_end=1037
+  _globals['_GENERATERESPONSE']._serialized_start=1040
+  _globals['_GENERATERESPONSE']._serialized_end=1181
+  _globals['_ABORTREQUEST']._serialized_start=1183
+  _globals['_ABORTREQUEST']._serialized_end=1217
+  _globals['_ABORTRESPONSE']._serialized_start=1219
+  _globals['_ABORTRESPONSE']._serialized_end=1249
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1251
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1272
+  _globals['_MODELINFO']._serialized_start=1274
+  _globals['_MODELINFO']._serialized_end=1398
+  _globals['_SCHEDULEREQUEST']._serialized_start=1400
+  _globals['_SCHEDULEREQUEST']._serialized_end=1506
+  _globals['_SCHEDULERESPONSE']._serialized_start=1509
+  _globals['_SCHEDULERESPONSE']._serialized_end=1695
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=1697
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=1720
+  _globals['_WORKERSTATS']._serialized_start=1723
+  _globals['_WORKERSTATS']._serialized_end=2626
+  _globals['_SCHEDULERSTATS']._serialized_start=2629
+  _globals['_SCHEDULERSTATS']._serialized_end=2976
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=2978
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=3003
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=3005
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=3053
+  _globals['_GENERATION']._serialized_start=3204
+  _globals['_GENERATION']._serialized_end=3441
+  _globals['_SCHEDULER']._serialized_start=3444
+  _globals['_SCHEDULER']._serialized_end=3781
 # @@protoc_insertion_point(module_scope)

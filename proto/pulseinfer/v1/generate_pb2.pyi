@@ -77,12 +77,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "ttft_s", "e2e_s")
@@ -167,25 +169,27 @@ class ScheduleRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "error", "timings", "accepted")
+    __slots__ = ("token_ids", "finish_reason", "error", "timings", "accepted", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     error: str
     timings: Timings
     accepted: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., accepted: _Optional[bool] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., accepted: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "running", "waiting", "device_blocks_total", "device_blocks_free", "steps", "decode_tokens", "decode_steps", "max_decode_batch", "last_decode_batch", "step_overhead_s", "preemptions", "pid", "offloaded", "integrity_error", "offloaded_admissions", "recall_units", "recall_transfers", "recall_bytes", "recall_wait_s", "recall_prefetched_units", "recall_corrected_units", "recall_io_busy_s", "recall_truncated_units", "recall_suspended_rows", "recall_resumed_layers", "link_bytes_per_s", "recall_bytes_per_offloaded_step", "decode_compute_s", "held_for_link", "max_running")
+    __slots__ = ("worker_id", "running", "waiting", "device_blocks_total", "device_blocks_free", "steps", "decode_tokens", "decode_steps", "max_decode_batch", "last_decode_batch", "step_overhead_s", "preemptions", "pid", "offloaded", "integrity_error", "offloaded_admissions", "recall_units", "recall_transfers", "recall_bytes", "recall_wait_s", "recall_prefetched_units", "recall_corrected_units", "recall_io_busy_s", "recall_truncated_units", "recall_suspended_rows", "recall_resumed_layers", "link_bytes_per_s", "recall_bytes_per_offloaded_step", "decode_compute_s", "held_for_link", "max_running", "prefix_cached_blocks", "prefix_evicted_blocks", "prefix_queried_tokens", "prefix_hit_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +221,10 @@ class WorkerStats(_message.Message):
     DECODE_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     HELD_FOR_LINK_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     running: int
     waiting: int
@@ -248,7 +256,11 @@ class WorkerStats(_message.Message):
     decode_compute_s: float
     held_for_link: int
     max_running: int
-    def __init__(self, worker_id: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., max_decode_batch: _Optional[int] = ..., last_decode_batch: _Optional[int] = ..., step_overhead_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., pid: _Optional[int] = ..., offloaded: _Optional[int] = ..., integrity_error: _Optional[str] = ..., offloaded_admissions: _Optional[int] = ..., recall_units: _Optional[int] = ..., recall_transfers: _Optional[int] = ..., recall_bytes: _Optional[int] = ..., recall_wait_s: _Optional[float] = ..., recall_prefetched_units: _Optional[int] = ..., recall_corrected_units: _Optional[int] = ..., recall_io_busy_s: _Optional[float] = ..., recall_truncated_units: _Optional[int] = ..., recall_suspended_rows: _Optional[int] = ..., recall_resumed_layers: _Optional[int] = ..., link_bytes_per_s: _Optional[float] = ..., recall_bytes_per_offloaded_step: _Optional[float] = ..., decode_compute_s: _Optional[float] = ..., held_for_link: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
+    prefix_cached_blocks: int
+    prefix_evicted_blocks: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    def __init__(self, worker_id: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., max_decode_batch: _Optional[int] = ..., last_decode_batch: _Optional[int] = ..., step_overhead_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., pid: _Optional[int] = ..., offloaded: _Optional[int] = ..., integrity_error: _Optional[str] = ..., offloaded_admissions: _Optional[int] = ..., recall_units: _Optional[int] = ..., recall_transfers: _Optional[int] = ..., recall_bytes: _Optional[int] = ..., recall_wait_s: _Optional[float] = ..., recall_prefetched_units: _Optional[int] = ..., recall_corrected_units: _Optional[int] = ..., recall_io_busy_s: _Optional[float] = ..., recall_truncated_units: _Optional[int] = ..., recall_suspended_rows: _Optional[int] = ..., recall_resumed_layers: _Optional[int] = ..., link_bytes_per_s: _Optional[float] = ..., recall_bytes_per_offloaded_step: _Optional[float] = ..., decode_compute_s: _Optional[float] = ..., held_for_link: _Optional[int] = ..., max_running: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
     __slots__ = ("running", "waiting", "workers_alive", "device_blocks_total", "device_blocks_free", "host_blocks_total", "host_blocks_free", "workers", "kv_store_alive", "host_integrity_error", "kv_store_engine_recalls", "kv_store_engine_busy_s")
@@ -277,3 +289,13 @@ class SchedulerStats(_message.Message):
     kv_store_engine_recalls: int
     kv_store_engine_busy_s: float
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., kv_store_alive: _Optional[bool] = ..., host_integrity_error: _Optional[str] = ..., kv_store_engine_recalls: _Optional[int] = ..., kv_store_engine_busy_s: _Optional[float] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("freed_blocks",)
+    FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    freed_blocks: int
+    def __init__(self, freed_blocks: _Optional[int] = ...) -> None: ...

@@ -210,6 +210,11 @@ class SchedulerStub:
                 request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStatsRequest.SerializeToString,
                 response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pulseinfer.v1.Scheduler/ResetPrefixCache',
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -233,6 +238,12 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +261,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStatsRequest.FromString,
                     response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStats.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -333,6 +349,33 @@ class Scheduler:
             '/pulseinfer.v1.Scheduler/Stats',
             pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStatsRequest.SerializeToString,
             pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pulseinfer.v1.Scheduler/ResetPrefixCache',
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

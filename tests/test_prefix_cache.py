@@ -1,0 +1,195 @@
+"""Automatic prefix caching of the device pool, on the batcher alone (no model): names chained over
+blocks, reuse of the longest cached prefix, the last token always computed, reference counts,
+least-recently-used eviction only under need, preemption, offloaded requests, and the switch."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_device_idle
+
+from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.offload.config import OffloadConfig
+from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.kv_store.allocator import BlockAllocator
+from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
+from pulseinfer.scheduler.plan import SampledToken, StepPlan
+from pulseinfer.scheduler.prefix_cache import ROOT, chain_hashes
+from pulseinfer.scheduler.request import SamplingParams, Sequence
+
+B = 16
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def _batcher(blocks: int = 64, **config) -> Batcher:
+    limits = ModelLimits(max_position=4096, eos_id=None, block_size=B, **config.pop("limits", {}))
+    return Batcher(BatcherConfig(prefill_chunk=4096, **config), limits, BlockAllocator(blocks))
+
+
+def _seq(seq_id: str, ids: list[int], params: SamplingParams = PARAMS) -> Sequence:
+    return Sequence.admit(seq_id, ids, params, vocab_size=100_000)
+
+
+def _step(batcher: Batcher) -> StepPlan | None:
+    """One step: every chunk that ends its context samples token 7."""
+    plan = batcher.schedule()
+    if plan is not None:
+        batcher.commit(plan, [SampledToken(c.seq_id, 7) for c in plan.chunks if c.sampling is not None])
+    return plan
+
+
+def _run(batcher: Batcher) -> list[StepPlan]:
+    plans = []
+    while batcher.waiting or batcher.running:
+        plans.append(_step(batcher))
+    return plans
+
+
+def _used(batcher: Batcher) -> int:
+    return batcher.allocator.num_blocks - batcher.allocator.num_free
+
+
+def test_names_chain_over_the_prefix():
+    a = list(range(64))
+    b = [*a[:16], 999, *a[17:]]  # differs in block 1 only
+    names_a, names_b = chain_hashes(a, B, 0, 4, ROOT), chain_hashes(b, B, 0, 4, ROOT)
+    assert names_a[0] == names_b[0] and all(x != y for x, y in zip(names_a[1:], names_b[1:]))  # later blocks differ too
+    assert chain_hashes(a, B, 2, 2, names_a[1]) == names_a[2:]  # extending a chain gives the same names
+    assert chain_hashes(a[16:], B, 0, 1, ROOT) != names_a[1:2]  # equal tokens at another position: another name
+
+
+def test_a_shared_prefix_is_reused_and_only_the_rest_prefilled():
+    batcher = _batcher()
+    shared = list(range(100, 100 + 5 * B))
+    batcher.add(_seq("a", [*shared, 1, 2, 3]))
+    _run(batcher)
+    assert len(batcher.prefix) == 5  # 83 tokens + 3 of 4 outputs computed: 5 full blocks
+    a_blocks = batcher.prefix.match(chain_hashes(shared, B, 0, 5, ROOT))
+    batcher.add(_seq("b", [*shared, 9, 9]))
+    (chunk,) = batcher.schedule().chunks
+    assert chunk.start_pos == 5 * B and chunk.token_ids == (9, 9)  # only the new tokens
+    assert list(chunk.block_table[:5]) == a_blocks  # a's blocks, shared
+    b = batcher.running[0]
+    assert b.cached_tokens == 5 * B and all(batcher.allocator.refcount(x) == 2 for x in a_blocks)
+    stats = batcher.prefix.stats
+    assert (stats.queried_tokens, stats.hit_tokens) == (len(shared) + 3 + len(shared) + 2, 5 * B)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    batcher = _batcher()
+    ids = list(range(200, 200 + 3 * B))  # exactly 3 blocks
+    batcher.add(_seq("a", ids))
+    _run(batcher)
+    batcher.add(_seq("b", ids))
+    (chunk,) = batcher.schedule().chunks
+    assert chunk.start_pos == 2 * B and len(chunk.token_ids) == B and chunk.sampling is not None
+    assert batcher.running[0].cached_tokens == 2 * B
+
+
+def test_cached_blocks_stay_until_room_is_needed_then_go_least_recently_used_first():
+    batcher = _batcher(blocks=12)
+    prompts = {name: [n * 1000 + i for i in range(3 * B + 1)] for n, name in enumerate("abc", 1)}
+    for name in "ab":  # 3 full blocks each stay cached, 4 allocated while running
+        batcher.add(_seq(name, prompts[name]))
+        _run(batcher)
+    assert len(batcher.prefix) == 6 and _used(batcher) == 6 and batcher.prefix.stats.evicted_blocks == 0
+    batcher.add(_seq("a2", prompts["a"]))  # touches a's blocks: b's are now the least recently used
+    _run(batcher)
+    batcher.add(_seq("big", list(range(5000, 5000 + 7 * B))))  # needs 8 blocks: 6 free, 2 evicted
+    _run(batcher)
+    assert batcher.prefix.stats.evicted_blocks >= 2
+    assert len(batcher.prefix.match(chain_hashes(prompts["a"], B, 0, 3, ROOT))) == 3  # the recently used prefix survived
+    assert len(batcher.prefix.match(chain_hashes(prompts["b"], B, 0, 3, ROOT))) < 3
+    batcher.allocator.check()
+    cached = len(batcher.prefix)
+    assert _used(batcher) == cached  # idle: every used block is a cached one
+    assert batcher.drop_prefix_cache() == cached
+    assert batcher.allocator.num_free == batcher.allocator.num_blocks and len(batcher.prefix) == 0
+
+
+def test_blocks_a_running_request_holds_are_never_evicted():
+    batcher = _batcher(blocks=9)
+    shared = list(range(300, 300 + 4 * B))
+    batcher.add(_seq("a", [*shared, 1]))
+    _run(batcher)
+    batcher.add(_seq("long", [*shared, 2], SamplingParams(max_tokens=40, ignore_eos=True)))
+    _step(batcher)
+    held = batcher.allocator.blocks_of("long")[:4]
+    assert sorted(held) == sorted(batcher.prefix.blocks.values())  # it runs on the 4 cached blocks
+    assert batcher.prefix.evictable() == 0
+    batcher.add(_seq("other", list(range(7000, 7000 + 2 * B))))  # takes every free block
+    for _ in range(12):
+        _step(batcher)
+    assert [s.seq_id for s in batcher.running] == ["long"] and not batcher.waiting  # "other" finished beside it
+    assert set(held) <= set(batcher.prefix.blocks.values()) and batcher.num_preemptions == 0
+    batcher.allocator.check()
+
+
+def test_a_preempted_request_reuses_its_own_blocks_when_readmitted():
+    batcher = _batcher(blocks=10)
+    batcher.add(_seq("a", list(range(400, 400 + 4 * B)), SamplingParams(max_tokens=3 * B, ignore_eos=True)))
+    batcher.add(_seq("b", list(range(900, 900 + 4 * B)), SamplingParams(max_tokens=3 * B, ignore_eos=True)))
+    plans = _run(batcher)
+    assert batcher.num_preemptions > 0
+    readmitted = [c for p in plans for c in p.chunks if c.start_pos > 0 and c.sampling is not None and len(c.token_ids) > 1]
+    assert readmitted  # a prefill after preemption began past the blocks the cache kept
+    batcher.allocator.check()
+    assert _used(batcher) == len(batcher.prefix)
+
+
+def test_offloaded_requests_neither_reuse_nor_add_device_blocks():
+    batcher = _batcher(blocks=64, offload="always", limits={"offload_blocks": 6})
+    ids = list(range(500, 500 + 6 * B))
+    for name in "ab":
+        batcher.add(_seq(name, ids))
+        _run(batcher)
+    assert len(batcher.prefix) == 0 and batcher.prefix.stats.hit_tokens == 0
+
+
+@pytest.mark.parametrize("limits", [{}, {"max_running": 8}])
+def test_off_or_on_a_sliding_window_model_nothing_is_cached(limits):
+    config = {"prefix_cache": "off"} if not limits else {}
+    batcher = _batcher(limits=limits, **config)
+    assert batcher.prefix is None
+    for name in "ab":
+        batcher.add(_seq(name, list(range(600, 600 + 3 * B))))
+        _run(batcher)
+    assert _used(batcher) == 0
+
+
+def test_the_switch_is_checked():
+    with pytest.raises(ValueError, match="--prefix-cache must be one of on, off"):
+        BatcherConfig(prefix_cache="maybe")
+
+
+# ---------------------------------------------------------------- with the model
+
+
+@pytest.mark.parametrize(
+    ("mode", "budget", "policy", "pool"),
+    [
+        ("dense", 0, "never", 4096),
+        ("pulse", 512, "always", 640),  # a covering budget: every request offloaded, none reuses
+        ("pulse", 64, "auto", 256),  # sparse: the long request cannot be resident, the sharers are
+    ],
+)
+def test_greedy_tokens_are_the_same_with_the_cache_on_and_off(model, mode, budget, policy, pool):
+    """A first request warms the cache; then two requests sharing its 160-token prefix reuse its
+    blocks where they run resident, beside a long one sharing nothing. Offloaded requests neither
+    reuse nor add device blocks."""
+    text = model.tokenizer.encode(" ".join(str(i) for i in range(1000)))
+    shared = text[:160]
+    second_wave = [shared + text[700:720], shared + text[800:830], text[1000:1300]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    runs = {}
+    for cache in ("off", "on"):
+        offload = OffloadConfig(sink=32, recent=64, budget=budget, calibration_tokens=256) if budget else OffloadConfig()
+        worker = WorkerConfig(mode=mode, device_kv_tokens=pool, offload=offload)
+        engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(prefix_cache=cache, offload=policy)), loaded=model)
+        first = engine.generate([shared + text[600:610]], params)
+        rest = engine.generate(second_wave, params)
+        runs[cache] = [c.token_ids for c in first + rest], [c.cached_tokens for c in rest], [c.offloaded for c in rest]
+        assert_device_idle(engine)
+    assert runs["on"][0] == runs["off"][0]
+    offloaded = {"never": [False] * 3, "always": [True] * 3, "auto": [False, False, True]}[policy]
+    assert runs["on"][2] == offloaded and runs["off"][2][2] == offloaded[2]  # without reuse a sharer may be offloaded too
+    assert runs["off"][1] == [0, 0, 0] and runs["on"][1] == [0 if off else 160 for off in offloaded[:2]] + [0]
