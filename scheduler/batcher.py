@@ -153,6 +153,7 @@ class Batcher:
             if chunk is None:
                 self._release_blocks(seq)  # it waits holding nothing, cached blocks included
                 break
+            self._record_prefix_hit(seq)
             self.num_offloaded += seq.offloaded
             self._held.discard(seq.seq_id)
             self.waiting.popleft()
@@ -238,10 +239,15 @@ class Batcher:
             return
         count = self.prefix.acquire(seq.seq_id, self._names(seq, (seq.length - 1) // self.limits.block_size))
         seq.num_cached, seq.num_named = count * self.limits.block_size, count
-        if seq.cached_tokens is None:  # the first placement is the one reported
-            seq.cached_tokens = min(seq.num_cached, len(seq.prompt_ids))
-            self.prefix.stats.queried_tokens += len(seq.prompt_ids)
-            self.prefix.stats.hit_tokens += seq.cached_tokens
+
+    def _record_prefix_hit(self, seq: Sequence) -> None:
+        """The prompt tokens a request found cached when it was first placed (offloaded: none), as
+        reported and counted."""
+        if self.prefix is None or seq.cached_tokens is not None:
+            return
+        seq.cached_tokens = min(seq.num_cached, len(seq.prompt_ids))
+        self.prefix.stats.queried_tokens += len(seq.prompt_ids)
+        self.prefix.stats.hit_tokens += seq.cached_tokens
 
     def _name_blocks(self, seq: Sequence) -> None:
         """Gives the cache the resident sequence's full blocks computed since the last step."""

@@ -34,7 +34,7 @@ def chain_hashes(ids: list[int], block_size: int, start: int, count: int, parent
 
 @dataclass
 class PrefixStats:
-    queried_tokens: int = 0  # prompt tokens of requests placed (once each)
+    queried_tokens: int = 0  # prompt tokens of requests placed, resident or offloaded (once each)
     hit_tokens: int = 0  # of those, tokens whose KV came from the cache
     evicted_blocks: int = 0
 
