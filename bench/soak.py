@@ -104,14 +104,14 @@ class Soak:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pulseinfer:{name}"))
 
     def idle(self, timeout_s: float = 60) -> dict[str, float]:
-        """What is still held (all 0 when idle): running requests, device blocks beyond the prefix cache's, host blocks."""
+        """What is still held (all 0 when idle): running requests, device and host blocks beyond the prefix cache's."""
         deadline = time.monotonic() + timeout_s
         while True:
             values = {
                 "num_requests_running": self.metric("num_requests_running"),
                 "device_kv_blocks_held_by_requests": self.metric("worker_device_kv_blocks_used")
                 - self.metric("prefix_cache_device_blocks"),
-                "host_kv_blocks_used": self.metric("host_kv_blocks_used"),
+                "host_kv_blocks_held_by_requests": self.metric("host_kv_blocks_used") - self.metric("prefix_cache_host_blocks"),
             }
             if not any(values.values()) or time.monotonic() > deadline:
                 return values

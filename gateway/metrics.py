@@ -112,6 +112,10 @@ class GatewayMetrics:
         self.host_blocks_total = Gauge(p + "host_kv_blocks_total", "kv_store host KV blocks.")
         self.engine_recalls = Counter(p + "kv_store_engine_recalls_total", "Layer recalls the kv_store's I/O engine completed.")
         self.engine_busy = Counter(p + "kv_store_engine_busy_seconds_total", "Time the kv_store's I/O engine spent copying recalls.")
+        self.host_prefix_blocks = Gauge(p + "prefix_cache_host_blocks", "Host KV blocks the prefix cache names now.")
+        self.host_prefix_evicted = Counter(
+            p + "prefix_cache_host_evicted_blocks_total", "Host KV blocks the prefix cache dropped (for room or by a reset)."
+        )
         # WorkerStats fields copied as they are: recalls (recall_<RecallStats field>), and the offloading admission's inputs
         self.by_field = {
             **{f"recall_{name}": Counter(p + f"recall_{_seconds(name)}_total", text) for name, text in RECALL_HELP.items()},
@@ -164,6 +168,8 @@ class GatewayMetrics:
         self.host_blocks_total.set(stats.host_blocks_total)
         self.engine_recalls.set(stats.kv_store_engine_recalls)
         self.engine_busy.set(stats.kv_store_engine_busy_s)
+        self.host_prefix_blocks.set(stats.host_prefix_cached_blocks)
+        self.host_prefix_evicted.set(stats.host_prefix_evicted_blocks)
         self.allocators_corrupt.set(sum(1 for w in stats.workers if w.integrity_error) + bool(stats.host_integrity_error))
         for metric in self.per_worker:
             metric.reset()

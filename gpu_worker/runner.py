@@ -155,6 +155,8 @@ class ModelRunner:
             logits = forward(self.model, batch, attention)
         finally:
             attention.finish()
+        if self.offload is not None:
+            self.offload.name_blocks(plan.chunks)
         sampled = [c for c in plan.chunks if c.sampling is not None]
         picked = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
         tokens = []

@@ -103,6 +103,23 @@ class KVStoreClient:
     def release(self, owner: str) -> int:
         return self.call(pb.KVStoreRequest(release=pb.Release(owner=owner))).freed
 
+    def acquire(self, owner: str, names: list[bytes], worker_id: int | None = None) -> list[int]:
+        """Host blocks of the longest cached prefix of `names`, now also held by `owner` (charged to
+        `worker_id`, default this client's registered worker)."""
+        worker = self.worker_id if worker_id is None else worker_id
+        request = pb.AcquirePrefix(owner=owner, worker_id=worker or 0, names=names)
+        return list(self.call(pb.KVStoreRequest(acquire_prefix=request)).blocks)
+
+    def match(self, names: list[bytes]) -> int:
+        """Blocks of the longest cached prefix of `names` (nothing taken)."""
+        return len(self.call(pb.KVStoreRequest(acquire_prefix=pb.AcquirePrefix(names=names, match_only=True))).blocks)
+
+    def insert(self, names: list[bytes], blocks: list[int]) -> None:
+        self.call(pb.KVStoreRequest(name_blocks=pb.NameBlocks(names=names, blocks=blocks)))
+
+    def drop_prefix_cache(self) -> int:
+        return self.call(pb.KVStoreRequest(drop_prefix_cache=pb.DropPrefixCache())).freed
+
     def open_recall(self, target: pb.OpenRecallTarget) -> None:
         self.call(pb.KVStoreRequest(open_recall=target))
 

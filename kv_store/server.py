@@ -17,12 +17,13 @@ import zmq
 from google.protobuf.message import DecodeError
 
 from pulseinfer.common.memory import check_fits
-from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator, PoolExhausted
+from pulseinfer.kv_store.allocator import AllocatorCorrupt, PoolExhausted
 from pulseinfer.kv_store.client import io_address, pid_namespace
 from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES
 from pulseinfer.kv_store.engine import RecallEngine
 from pulseinfer.kv_store.layout import PoolGeometry
 from pulseinfer.kv_store.pool import SharedPool, pid_alive
+from pulseinfer.kv_store.prefix_cache import NAME_BYTES, HostBlocks
 from pulseinfer.kv_store.segments import cache_name, sweep
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
@@ -58,7 +59,8 @@ class KVStore:
     def __init__(self, pool: SharedPool, engine: RecallEngine):
         self.pool = pool
         self.engine = engine
-        self.allocator = BlockAllocator(pool.geometry.num_blocks)
+        self.host = HostBlocks(pool.geometry.num_blocks)
+        self.allocator = self.host.allocator
         self.workers: dict[int, RegisteredWorker] = {}
 
     def handle(self, request: pb.KVStoreRequest) -> pb.KVStoreResponse:
@@ -74,6 +76,12 @@ class KVStore:
             return pb.KVStoreResponse(stats=self.stats())
         if kind == "open_recall":
             return self._open_recall(request.open_recall)
+        if kind == "acquire_prefix":
+            return self._acquire_prefix(request.acquire_prefix)
+        if kind == "name_blocks":
+            return self._name_blocks(request.name_blocks)
+        if kind == "drop_prefix_cache":
+            return pb.KVStoreResponse(freed=self.host.drop_prefix_cache())
         return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error="empty request")
 
     def _register(self, request: pb.RegisterWorker) -> None:
@@ -90,11 +98,35 @@ class KVStore:
         if worker is None:
             return pb.KVStoreResponse(code=pb.KV_STORE_UNKNOWN_WORKER, error=f"worker {request.worker_id} is not registered")
         try:
-            blocks = self.allocator.allocate(request.owner, request.blocks)
+            blocks = self.host.allocate(request.owner, request.blocks)
         except PoolExhausted as e:
             return pb.KVStoreResponse(code=pb.KV_STORE_RESOURCE_EXHAUSTED, error=str(e))
         worker.owners.add(request.owner)
         return pb.KVStoreResponse(blocks=blocks)
+
+    def _acquire_prefix(self, request: pb.AcquirePrefix) -> pb.KVStoreResponse:
+        if bad := _bad_names(request.names):
+            return bad
+        if request.match_only:
+            return pb.KVStoreResponse(blocks=self.host.prefix.match(list(request.names)))
+        worker = self.workers.get(request.worker_id)
+        if worker is None:
+            return pb.KVStoreResponse(code=pb.KV_STORE_UNKNOWN_WORKER, error=f"worker {request.worker_id} is not registered")
+        if not request.owner:
+            return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error="acquire_prefix needs an owner")
+        blocks = self.host.acquire(request.owner, list(request.names))
+        if blocks:
+            worker.owners.add(request.owner)
+        return pb.KVStoreResponse(blocks=blocks)
+
+    def _name_blocks(self, request: pb.NameBlocks) -> pb.KVStoreResponse:
+        if bad := _bad_names(request.names):
+            return bad
+        try:
+            self.host.insert(list(request.names), list(request.blocks))
+        except ValueError as e:
+            return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error=str(e))
+        return pb.KVStoreResponse()
 
     def _open_recall(self, request: pb.OpenRecallTarget) -> pb.KVStoreResponse:
         if request.worker_id not in self.workers:
@@ -142,7 +174,15 @@ class KVStore:
             integrity_error=integrity,
             engine_recalls=self.engine.recalls,
             engine_busy_s=self.engine.busy_s,
+            prefix_cached_blocks=len(self.host.prefix),
+            prefix_evicted_blocks=self.host.prefix.stats.evicted_blocks,
         )
+
+
+def _bad_names(names) -> pb.KVStoreResponse | None:
+    if any(len(name) != NAME_BYTES for name in names):
+        return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error=f"prefix-cache names are {NAME_BYTES} bytes each")
+    return None
 
 
 def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) -> None:

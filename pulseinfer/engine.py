@@ -18,6 +18,7 @@ from pulseinfer.gpu_worker.offload.config import HostTier
 from pulseinfer.gpu_worker.runner import ModelRunner, Pick, WorkerConfig
 from pulseinfer.gpu_worker.sparse import check_mode
 from pulseinfer.kv_store.allocator import BlockAllocator
+from pulseinfer.kv_store.prefix_cache import HostBlocks
 from pulseinfer.kv_store.view import PoolView
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
 from pulseinfer.scheduler.plan import Chunk, StepPlan
@@ -78,7 +79,7 @@ class Engine:
         limits = ModelLimits(
             self.loaded.config.max_position, self.tokenizer.eos_id, spec.block_size, self.runner.offload_blocks, self.runner.max_running
         )
-        self.batcher = Batcher(config.batcher, limits, self.allocator)
+        self.batcher = Batcher(config.batcher, limits, self.allocator, self.host.allocator if self.host is not None else None)
         self._streams: dict[str, TextStream] = {}
         self._seqs: dict[str, Sequence] = {}
         self._errors: dict[str, str] = {}
@@ -91,7 +92,7 @@ class Engine:
         view = PoolView.private(blocks, c.kv_layers, c.num_kv_heads, block, c.head_dim, self.config.worker.torch_dtype())
         if self.config.worker.device == "cuda":
             view.pin()
-        return HostTier(view, BlockAllocator(blocks))
+        return HostTier(view, HostBlocks(blocks))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
         seq_id = seq_id or uuid.uuid4().hex

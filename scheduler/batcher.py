@@ -9,12 +9,12 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pulseinfer.kv_store.allocator import BlockAllocator
+from pulseinfer.kv_store.prefix_cache import ROOT, HostPrefix, PrefixCache, chain_hashes
 from pulseinfer.scheduler.admission import LinkModel
 from pulseinfer.scheduler.plan import Chunk, RecallStats, SampledToken, StepPlan
-from pulseinfer.scheduler.prefix_cache import ROOT, PrefixCache, chain_hashes
 from pulseinfer.scheduler.request import FinishReason, SeqStatus, Sequence
 
 OFFLOAD_POLICIES = ("never", "auto", "always")
@@ -42,8 +42,9 @@ class BatcherConfig:
     # decode rows ride along with prefill chunks (chunked prefill); off: a step prefills or decodes,
     # prefill first (SGLang's default), so every admitted request is decoding before decode resumes
     mixed_steps: bool = True
-    # on: a request reuses the device blocks of its longest cached prefix (scheduler/prefix_cache.py);
-    # off on a model with sliding-window layers, whose rings hold no blocks to reuse
+    # on: a request reuses the blocks of its longest cached prefix (kv_store/prefix_cache.py): device
+    # blocks resident, host blocks offloaded; off on a model with sliding-window layers, whose rings
+    # hold no blocks to reuse
     prefix_cache: str = "on"
 
     def __post_init__(self) -> None:
@@ -63,7 +64,8 @@ class ModelLimits:
 
 
 class Batcher:
-    def __init__(self, config: BatcherConfig, limits: ModelLimits, allocator: BlockAllocator):
+    def __init__(self, config: BatcherConfig, limits: ModelLimits, allocator: BlockAllocator, host: HostPrefix | None = None):
+        """`host`: the host tier's prefix cache, which offloaded requests reuse (None: they do not)."""
         self.config = config
         self.limits = limits
         self.allocator = allocator
@@ -78,7 +80,8 @@ class Batcher:
         # requests that ended whose worker holds state of its own (host blocks, window rings), for the next plan
         self.released: list[str] = []
         cached = config.prefix_cache == "on" and not limits.max_running
-        self.prefix = PrefixCache(allocator, limits.block_size) if cached else None
+        self.prefix = PrefixCache(allocator) if cached else None
+        self.host = host if cached and limits.offload_blocks else None
 
     # ------------------------------------------------------------ admission
 
@@ -148,10 +151,8 @@ class Batcher:
             seq = self.waiting[0]
             if not self._place(seq):
                 break
-            self._reuse_prefix(seq)
-            chunk = self._prefill_chunk(seq, budget)
+            chunk = self._first_chunk(seq, budget)
             if chunk is None:
-                self._release_blocks(seq)  # it waits holding nothing, cached blocks included
                 break
             self._record_prefix_hit(seq)
             self.num_offloaded += seq.offloaded
@@ -199,6 +200,22 @@ class Batcher:
             chunks.append(self._chunk(seq, seq.length - 1, seq.length))
         return chunks
 
+    def _first_chunk(self, seq: Sequence, budget: int) -> Chunk | None:
+        """A placed request's first chunk, after the blocks of its longest cached prefix; None when
+        the device pool has no room for it (it waits holding nothing, cached blocks included)."""
+        if seq.offloaded:
+            if not self._grow(seq, 0):  # its footprint first: host blocks are taken only for a request that runs
+                return None
+            host_prefix = self._reuse_host_prefix(seq)
+        else:
+            self._reuse_prefix(seq)
+            host_prefix = ()
+        chunk = self._prefill_chunk(seq, budget)
+        if chunk is None:
+            self._release_blocks(seq)
+            return None
+        return replace(chunk, host_prefix=host_prefix) if host_prefix else chunk
+
     def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk | None:
         end = min(seq.length, seq.num_cached + budget)
         if not self._grow(seq, end):
@@ -213,7 +230,14 @@ class Batcher:
             block_table=tuple(self.allocator.blocks_of(seq.seq_id)),
             sampling=seq.sampling_spec() if end == seq.length else None,
             offloaded=seq.offloaded,
+            block_names=self._chunk_names(seq, start, end),
         )
+
+    def _chunk_names(self, seq: Sequence, start: int, end: int) -> tuple[bytes, ...]:
+        """Offloaded: the names of the full blocks a chunk completes, for the worker to give the host tier."""
+        if self.host is None or not seq.offloaded:
+            return ()
+        return tuple(self._names(seq, end // self.limits.block_size)[start // self.limits.block_size :])
 
     # ------------------------------------------------------------ prefix cache
 
@@ -226,22 +250,44 @@ class Batcher:
         return seq.block_names[:count]
 
     def cached_prefix_blocks(self, seq: Sequence) -> int:
-        """Full blocks of the request's longest cached prefix a resident placement would reuse (the
-        last token is always computed: its logits sample the first output token). Placement across
-        workers prefers the most."""
+        """Full blocks of the request's longest cached prefix a resident placement would reuse.
+        Placement across workers prefers the most."""
         if self.prefix is None:
             return 0
-        return len(self.prefix.match(self._names(seq, (seq.length - 1) // self.limits.block_size)))
+        return len(self.prefix.match(self._reusable_names(seq)))
+
+    def _reusable_names(self, seq: Sequence) -> list[bytes]:
+        """Names of the full blocks a placement may reuse: all but the last token's (its logits
+        sample the first output token, so it is always computed)."""
+        return self._names(seq, (seq.length - 1) // self.limits.block_size)
 
     def _reuse_prefix(self, seq: Sequence) -> None:
-        """A request placed resident starts from the cached blocks of its longest cached prefix."""
-        if self.prefix is None or seq.offloaded:
+        """A request placed resident starts from the device blocks of its longest cached prefix."""
+        if self.prefix is None:
             return
-        count = self.prefix.acquire(seq.seq_id, self._names(seq, (seq.length - 1) // self.limits.block_size))
+        count = len(self.prefix.acquire(seq.seq_id, self._reusable_names(seq)))
         seq.num_cached, seq.num_named = count * self.limits.block_size, count
 
+    def _reuse_host_prefix(self, seq: Sequence) -> tuple[int, ...]:
+        """A request placed offloaded starts from the host blocks of its longest cached prefix, held
+        for it from now on (the worker frees them with the request's own)."""
+        if self.host is None or seq.seq_id in self.released:  # its worker frees what it held first: nothing may be taken before
+            return ()
+        blocks = tuple(self.host.acquire(seq.seq_id, self._reusable_names(seq)))
+        seq.num_cached = len(blocks) * self.limits.block_size
+        return blocks
+
+    def _host_cached_blocks(self, seq: Sequence) -> int:
+        """Blocks of the request's prefix the host tier had cached when first asked (an estimate for
+        admission: asked once per request, not at every step it waits)."""
+        if self.host is None:
+            return 0
+        if seq.host_cached_blocks is None:
+            seq.host_cached_blocks = self.host.match(self._reusable_names(seq))
+        return seq.host_cached_blocks
+
     def _record_prefix_hit(self, seq: Sequence) -> None:
-        """The prompt tokens a request found cached when it was first placed (offloaded: none), as
+        """The prompt tokens a request found cached (either tier) when it was first placed, as
         reported and counted."""
         if self.prefix is None or seq.cached_tokens is not None:
             return
@@ -301,13 +347,23 @@ class Batcher:
 
     def _longest_under_pressure(self) -> set[str]:
         """The longest waiting requests, just enough of them that the others fit resident in the
-        free device pool when these hold only their offloaded footprint; empty without pressure."""
+        free device pool when these hold only their offloaded footprint; empty without pressure.
+        Those whose prefix the host tier caches beyond the device's go first: offloaded, they
+        compute only the rest."""
         demand = sum(self._new_blocks(s) for s in self.waiting)
         free = self._free_blocks()
+        if demand <= free:
+            return set()
         chosen: set[str] = set()
-        for seq in sorted(self.waiting, key=self._new_blocks, reverse=True):
-            if demand <= free or self._new_blocks(seq) <= self.limits.offload_blocks:
+
+        def cheap_then_longest(seq: Sequence) -> tuple[bool, int]:
+            return self._host_cached_blocks(seq) > self.cached_prefix_blocks(seq), self._new_blocks(seq)
+
+        for seq in sorted(self.waiting, key=cheap_then_longest, reverse=True):
+            if demand <= free:
                 break
+            if self._new_blocks(seq) <= self.limits.offload_blocks:
+                continue  # offloading it would not save a block
             demand -= self._new_blocks(seq) - self.limits.offload_blocks
             chosen.add(seq.seq_id)
         return chosen

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator
+from pulseinfer.kv_store.prefix_cache import HostPrefix
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
 from pulseinfer.scheduler.plan import RecallStats, StepPlan
@@ -21,6 +22,7 @@ from pulseinfer.scheduler.request import FinishReason, Sequence
 from pulseinfer.scheduler.wire import params_from_proto, plan_to_proto, recall_from_proto, tokens_from_proto
 
 Sink = Callable[[generate_pb2.ScheduleResponse], None]
+HostPrefixOf = Callable[[int], HostPrefix]  # a worker's view of the host tier's prefix cache, by worker id
 
 FINISH_TO_PROTO = {
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
@@ -70,7 +72,7 @@ class WorkerCounters:
 
 
 class WorkerHandle:
-    def __init__(self, beat: worker_pb2.Heartbeat, batcher_config: BatcherConfig, now: float):
+    def __init__(self, beat: worker_pb2.Heartbeat, batcher_config: BatcherConfig, now: float, host: HostPrefix | None):
         self.worker_id = beat.worker_id
         self.pid = beat.pid
         self.identity = f"w{beat.worker_id}-{beat.pid}".encode()
@@ -78,7 +80,7 @@ class WorkerHandle:
         eos = beat.eos_id if beat.HasField("eos_id") else None
         self.limits = ModelLimits(beat.max_position, eos, beat.block_size, beat.offload_blocks, beat.max_running)
         self.vocab_size = beat.vocab_size
-        self.batcher = Batcher(batcher_config, self.limits, self.allocator)
+        self.batcher = Batcher(batcher_config, self.limits, self.allocator, host)
         self.last_seen = now
         self.inflight: StepPlan | None = None
         self.unsent: worker_pb2.SchedulerMessage | None = None  # the inflight plan, when the socket refused it
@@ -101,9 +103,11 @@ class RequestState:
 
 
 class SchedulerCore:
-    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic, host: HostPrefixOf | None = None):
+        """`host`: the host tier's prefix cache, which workers' offloaded requests reuse (None: they do not)."""
         self.config = config
         self.clock = clock
+        self.host = host
         self.workers: dict[int, WorkerHandle] = {}
         self.requests: dict[str, RequestState] = {}
 
@@ -115,7 +119,8 @@ class SchedulerCore:
             self._lose_worker(handle, f"worker {handle.worker_id} restarted")
             handle = None
         if handle is None:
-            handle = self.workers[beat.worker_id] = WorkerHandle(beat, self.config.batcher, self.clock())
+            host = self.host(beat.worker_id) if self.host is not None else None
+            handle = self.workers[beat.worker_id] = WorkerHandle(beat, self.config.batcher, self.clock(), host)
         handle.last_seen = self.clock()
 
     def check_liveness(self) -> list[int]:
@@ -167,7 +172,7 @@ class SchedulerCore:
         return state
 
     def reset_prefix_cache(self) -> int:
-        """Every worker's prefix cache forgets its blocks; returns the device blocks freed."""
+        """Every worker's device prefix cache forgets its blocks; returns the blocks freed."""
         return sum(w.batcher.drop_prefix_cache() for w in self.workers.values())
 
     def abort(self, seq_id: str) -> bool:

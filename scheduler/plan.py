@@ -26,6 +26,10 @@ class Chunk:
     block_table: tuple[int, ...]
     sampling: SamplingSpec | None  # None: a prefill chunk that does not reach the end of the prompt
     offloaded: bool = False  # block_table is the fixed device footprint; the worker keeps the rest on host
+    # offloaded, the host tier's prefix cache on: the cached host blocks the request starts from (its
+    # first chunk), and the prefix-cache names of the full blocks start_pos // B .. end_pos // B - 1
+    host_prefix: tuple[int, ...] = ()
+    block_names: tuple[bytes, ...] = ()
 
     @property
     def end_pos(self) -> int:

@@ -75,6 +75,7 @@ class Sequence:
     cached_tokens: int | None = None  # prompt tokens whose KV the prefix cache had at its first placement
     block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its leading full blocks
     num_named: int = 0  # leading blocks the prefix cache has been given since it last started
+    host_cached_blocks: int | None = None  # of its prefix, cached in the host tier when admission first asked
 
     @classmethod
     def admit(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> Sequence:

@@ -9,6 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import zmq
@@ -17,11 +21,14 @@ from google.protobuf.message import DecodeError
 
 from pulseinfer.common import grpc_common
 from pulseinfer.common.grpc_common import add_health_and_reflection, add_servicer, set_serving
+from pulseinfer.kv_store.client import HostPoolLost, KVStoreClient, KVStoreUnavailable
+from pulseinfer.kv_store.prefix_cache import HostPrefix
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import QueueFull, RequestTooLarge
 from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
 
 log = logging.getLogger("scheduler")
+T = TypeVar("T")
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Scheduler"]
 SUBMIT_ERRORS = {
@@ -32,13 +39,69 @@ SUBMIT_ERRORS = {
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
 }
 KV_STORE_POLL_S = 1.0
+KV_STORE_PREFIX_TIMEOUT_S = 0.5  # the loop waits on a placement's prefix lookup: a store that does not answer is skipped
+KV_STORE_PREFIX_BACKOFF_S = 5.0
+
+
+class KVStorePrefix:
+    """The host tier's prefix cache in the kv_store, as placements ask it: a blocking round trip per
+    offloaded placement (and one estimate per request waiting under pressure). A store that does not
+    answer, or restarted and does not know the worker yet, has nothing cached; one that timed out is
+    not asked again for a while."""
+
+    def __init__(self, client: KVStoreClient):
+        self.client = client
+        self._quiet_until = 0.0
+
+    def of_worker(self, worker_id: int) -> HostPrefix:
+        return WorkerHostPrefix(self, worker_id)
+
+    def match(self, names: list[bytes]) -> int:
+        return self._ask(lambda: self.client.match(names), 0)
+
+    def acquire(self, owner: str, names: list[bytes], worker_id: int) -> list[int]:
+        return self._ask(lambda: self.client.acquire(owner, names, worker_id), [])
+
+    def drop_prefix_cache(self) -> int:
+        return self._ask(self.client.drop_prefix_cache, 0)
+
+    def _ask(self, call: Callable[[], T], nothing: T) -> T:
+        if time.monotonic() < self._quiet_until:
+            return nothing
+        try:
+            return call()
+        except KVStoreUnavailable as e:
+            log.warning("host prefix cache skipped for %.0f s: %s", KV_STORE_PREFIX_BACKOFF_S, e)
+            self._quiet_until = time.monotonic() + KV_STORE_PREFIX_BACKOFF_S
+        except (HostPoolLost, ValueError) as e:
+            log.info("host prefix cache: %s", e)
+        return nothing
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@dataclass(frozen=True)
+class WorkerHostPrefix:
+    """The host tier's prefix cache as one worker's batcher asks it: blocks taken are charged to the
+    worker (freed by the kv_store if it dies)."""
+
+    store: KVStorePrefix
+    worker_id: int
+
+    def match(self, names: list[bytes]) -> int:
+        return self.store.match(names)
+
+    def acquire(self, owner: str, names: list[bytes]) -> list[int]:
+        return self.store.acquire(owner, names, self.worker_id)
 
 
 class SchedulerService(generate_pb2_grpc.SchedulerServicer):
-    def __init__(self, core: SchedulerCore, router: zmq.asyncio.Socket, kv_monitor: KVStoreMonitor):
+    def __init__(self, core: SchedulerCore, router: zmq.asyncio.Socket, kv_monitor: KVStoreMonitor, host_prefix: KVStorePrefix):
         self.core = core
         self.router = router
         self.kv_monitor = kv_monitor
+        self.host_prefix = host_prefix
 
     async def Schedule(self, request, context):
         queue: asyncio.Queue[generate_pb2.ScheduleResponse] = asyncio.Queue()
@@ -64,7 +127,8 @@ class SchedulerService(generate_pb2_grpc.SchedulerServicer):
         return generate_pb2.AbortResponse(found=self.core.abort(request.request_id))
 
     async def ResetPrefixCache(self, request, context):
-        return generate_pb2.ResetPrefixCacheResponse(freed_blocks=self.core.reset_prefix_cache())
+        freed = self.core.reset_prefix_cache() + self.host_prefix.drop_prefix_cache()
+        return generate_pb2.ResetPrefixCacheResponse(freed_blocks=freed)
 
     async def Stats(self, request, context):
         stats = self.core.stats()
@@ -97,6 +161,8 @@ class KVStoreMonitor:
             host_integrity_error=self.last.integrity_error,
             kv_store_engine_recalls=self.last.engine_recalls,
             kv_store_engine_busy_s=self.last.engine_busy_s,
+            host_prefix_cached_blocks=self.last.prefix_cached_blocks,
+            host_prefix_evicted_blocks=self.last.prefix_evicted_blocks,
         )
 
     async def run(self) -> None:
@@ -152,7 +218,9 @@ async def serve(config: SchedulerConfig) -> None:
     router.setsockopt(zmq.LINGER, 0)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     router.bind(config.workers_bind)
-    service = SchedulerService(SchedulerCore(config), router, KVStoreMonitor(context, config.kv_store))
+    host_prefix = KVStorePrefix(KVStoreClient(zmq.Context.instance(), config.kv_store, timeout_s=KV_STORE_PREFIX_TIMEOUT_S))
+    core = SchedulerCore(config, host=host_prefix.of_worker)
+    service = SchedulerService(core, router, KVStoreMonitor(context, config.kv_store), host_prefix)
     server = grpc_common.server()
     add_servicer(server, service, SERVICE)
     health = add_health_and_reflection(server, [SERVICE.full_name])
@@ -175,4 +243,5 @@ async def serve(config: SchedulerConfig) -> None:
             task.cancel()
         await server.stop(grace=1)
         router.close()
+        host_prefix.close()
         context.term()

@@ -15,7 +15,13 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
 
 def _chunk_to_proto(chunk: Chunk) -> worker_pb2.Chunk:
     message = worker_pb2.Chunk(
-        seq_id=chunk.seq_id, token_ids=chunk.token_ids, start_pos=chunk.start_pos, block_table=chunk.block_table, offloaded=chunk.offloaded
+        seq_id=chunk.seq_id,
+        token_ids=chunk.token_ids,
+        start_pos=chunk.start_pos,
+        block_table=chunk.block_table,
+        offloaded=chunk.offloaded,
+        host_prefix=chunk.host_prefix,
+        block_names=chunk.block_names,
     )
     if chunk.sampling is not None:
         s = chunk.sampling
@@ -34,7 +40,9 @@ def _chunk_from_proto(c: worker_pb2.Chunk) -> Chunk:
     if c.HasField("sampling"):
         s = c.sampling
         sampling = SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step)
-    return Chunk(c.seq_id, tuple(c.token_ids), c.start_pos, tuple(c.block_table), sampling, c.offloaded)
+    return Chunk(
+        c.seq_id, tuple(c.token_ids), c.start_pos, tuple(c.block_table), sampling, c.offloaded, tuple(c.host_prefix), tuple(c.block_names)
+    )
 
 
 def tokens_to_proto(tokens: list[SampledToken]) -> list[worker_pb2.SampledToken]:

@@ -21,6 +21,17 @@ def assert_device_idle(engine) -> None:
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
+def assert_host_idle(engine) -> None:
+    """The same of the in-process host pool: only its prefix cache holds blocks, then none."""
+    if engine.host is None:
+        return
+    host = engine.host.allocator
+    host.allocator.check()
+    assert host.allocator.num_blocks - host.allocator.num_free == len(host.prefix)
+    host.drop_prefix_cache()
+    assert host.allocator.num_free == host.allocator.num_blocks
+
+
 def last_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
     """Logits at the last position, prefilling in chunks of `chunk` tokens (one pass if None)."""
     block = runner.cache_spec.block_size

@@ -138,6 +138,36 @@ def test_exhaustion_is_a_clear_error_and_harms_nothing_stored(kv_store):
         client.close()
 
 
+def test_the_host_prefix_cache_names_shares_and_drops_blocks_across_workers(kv_store):
+    """Blocks one worker's request named outlive it; another worker's request takes its longest
+    cached prefix; bad names and free blocks are refused; a drop frees what no request holds."""
+    writer, reader = (KVStoreClient(zmq.Context.instance(), kv_store) for _ in range(2))
+    try:
+        writer.register(worker_id=5)
+        reader.register(worker_id=6)
+
+        def used() -> int:
+            stats = writer.stats()
+            return stats.blocks_total - stats.blocks_free
+
+        before = used()
+        names = [bytes([i]) * 16 for i in range(3)]
+        blocks = writer.allocate("computed", 3)
+        writer.insert(names, blocks)
+        assert writer.release("computed") == 0 and writer.stats().prefix_cached_blocks == 3  # the cache holds them
+        assert reader.match([*names[:2], b"x" * 16]) == 2 and used() == before + 3  # a match takes nothing
+        assert reader.acquire("sharer", [*names[:2], b"x" * 16]) == blocks[:2]
+        with pytest.raises(ValueError, match="16 bytes"):
+            reader.insert([b"short"], blocks[:1])
+        with pytest.raises(ValueError, match="not in use"):
+            reader.insert([b"y" * 16], [writer.stats().blocks_total - 1])
+        assert writer.drop_prefix_cache() == 1  # the third; the sharer's two stay its own
+        assert reader.release("sharer") == 2 and used() == before and writer.stats().prefix_cached_blocks == 0
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_a_worker_with_another_geometry_is_refused(kv_store):
     client = KVStoreClient(zmq.Context.instance(), kv_store)
     try:

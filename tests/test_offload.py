@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_device_idle
+from helpers import assert_device_idle, assert_host_idle
 
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker import forward
@@ -39,29 +39,28 @@ def _engine(model, policy: str, device_tokens: int, host_tokens: int = 131072, m
 
 def _assert_all_freed(engine: Engine) -> None:
     assert_device_idle(engine)
-    host = engine.host.allocator
-    host.check()
-    assert host.num_free == host.num_blocks
+    assert_host_idle(engine)
     assert engine.runner.offload.seqs == {}
 
 
 @pytest.mark.slow
 def test_full_budget_offload_equals_dense_at_2k_and_4k(model, corpus):
-    prompts = [corpus[: 2048 - 32], corpus[20000 : 20000 + 4096 - 32]]  # contexts end at 2k and 4k tokens
-    dense = _engine(model, "never", 16384).generate(prompts, GREEDY_32)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [corpus[: 2048 - 16], corpus[20000 : 20000 + 4096 - 16]]  # contexts end at 2k and 4k tokens
+    dense = _engine(model, "never", 16384).generate(prompts, params)
     # layer-ahead recall and suspension on: they change when blocks land, never what is attended
     offloaded_engine = _engine(model, "always", 16384, sink=64, recent=256, budget=4096, layer_ahead="on", suspend="layer")
-    offloaded = offloaded_engine.generate(prompts, GREEDY_32)
+    offloaded = offloaded_engine.generate(prompts, params)
     assert [c.token_ids for c in offloaded] == [c.token_ids for c in dense]
     assert all(c.offloaded for c in offloaded)
     stats = offloaded_engine.runner.offload.stats()
     assert stats["recall"]["prefetched_units"] > 0 and stats["recall"]["suspended_rows"] > 0
-    stored = [len(p) + GREEDY_32.max_tokens - 1 for p in prompts]  # the last sampled token's KV is never computed
+    stored = [len(p) + params.max_tokens - 1 for p in prompts]  # the last sampled token's KV is never computed
     assert stats["written_blocks"] == sum(n // 16 - 64 // 16 for n in stored)  # every full block past the sink, once
     assert stats["recall"]["units"] > 0
     _assert_all_freed(offloaded_engine)
     # head-wise selection over every block attends the same keys, one table per kv head
-    headwise = _engine(model, "always", 16384, mode="headwise", sink=64, recent=256, budget=4096).generate(prompts, GREEDY_32)
+    headwise = _engine(model, "always", 16384, mode="headwise", sink=64, recent=256, budget=4096).generate(prompts, params)
     assert [c.token_ids for c in headwise] == [c.token_ids for c in dense]
 
 

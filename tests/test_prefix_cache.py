@@ -5,15 +5,15 @@ least-recently-used eviction only under need, preemption, offloaded requests, an
 from __future__ import annotations
 
 import pytest
-from helpers import assert_device_idle
+from helpers import assert_device_idle, assert_host_idle
 
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.gpu_worker.runner import WorkerConfig
-from pulseinfer.kv_store.allocator import BlockAllocator
+from pulseinfer.kv_store.allocator import BlockAllocator, PoolExhausted
+from pulseinfer.kv_store.prefix_cache import NAME_BYTES, ROOT, HostBlocks, chain_hashes
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
 from pulseinfer.scheduler.plan import SampledToken, StepPlan
-from pulseinfer.scheduler.prefix_cache import ROOT, chain_hashes
 from pulseinfer.scheduler.request import SamplingParams, Sequence
 
 B = 16
@@ -22,7 +22,8 @@ PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 def _batcher(blocks: int = 64, **config) -> Batcher:
     limits = ModelLimits(max_position=4096, eos_id=None, block_size=B, **config.pop("limits", {}))
-    return Batcher(BatcherConfig(prefill_chunk=4096, **config), limits, BlockAllocator(blocks))
+    host = config.pop("host", None)
+    return Batcher(BatcherConfig(prefill_chunk=4096, **config), limits, BlockAllocator(blocks), host)
 
 
 def _seq(seq_id: str, ids: list[int], params: SamplingParams = PARAMS) -> Sequence:
@@ -136,13 +137,76 @@ def test_a_preempted_request_reuses_its_own_blocks_when_readmitted():
     assert _used(batcher) == len(batcher.prefix)
 
 
-def test_offloaded_requests_neither_reuse_nor_add_device_blocks():
+def test_offloaded_requests_add_no_device_blocks_and_without_a_host_tier_reuse_nothing():
     batcher = _batcher(blocks=64, offload="always", limits={"offload_blocks": 6})
     ids = list(range(500, 500 + 6 * B))
     for name in "ab":
         batcher.add(_seq(name, ids))
         _run(batcher)
     assert len(batcher.prefix) == 0 and batcher.prefix.stats.hit_tokens == 0
+
+
+def _host_with(ids: list[int], count: int, pool: int = 32) -> tuple[HostBlocks, list[int]]:
+    """A host tier caching the first `count` blocks of `ids`, as a finished offloaded request leaves it."""
+    host = HostBlocks(pool)
+    blocks = host.allocate("earlier", count)
+    host.insert(chain_hashes(ids, B, 0, count, ROOT), blocks)
+    host.release("earlier")
+    return host, blocks
+
+
+def test_an_offloaded_request_starts_from_the_host_blocks_of_its_cached_prefix():
+    ids = list(range(700, 700 + 8 * B + 3))
+    host, cached = _host_with(ids, 5)
+    batcher = _batcher(blocks=64, offload="always", limits={"offload_blocks": 6}, host=host)
+    batcher.add(_seq("b", ids))
+    (chunk,) = batcher.schedule().chunks
+    assert chunk.offloaded and chunk.start_pos == 5 * B and chunk.host_prefix == tuple(cached)
+    assert all(host.allocator.refcount(x) == 2 for x in cached)  # the cache's and the request's
+    assert chunk.block_names == tuple(chain_hashes(ids, B, 0, 8, ROOT)[5:])  # the blocks it completes, for its worker to name
+    assert batcher.running[0].cached_tokens == 5 * B and batcher.prefix.stats.hit_tokens == 5 * B
+    batcher.abort("b")
+    assert batcher.released == ["b"]  # its worker frees what it holds, the cached blocks' references included
+
+
+def test_under_pressure_a_request_whose_prefix_the_host_caches_is_offloaded_before_a_longer_one():
+    cached = list(range(1000, 1000 + 165))  # 169 tokens with its outputs: 11 blocks, 8 of them cached on the host
+    host, _ = _host_with(cached, 8)
+    batcher = _batcher(blocks=20, offload="auto", limits={"offload_blocks": 4}, host=host)
+    batcher.add(_seq("cached", cached))
+    batcher.add(_seq("longer", list(range(3000, 3000 + 180))))  # 12 blocks: longest-first alone would offload it
+    chunks = {c.seq_id: c for c in batcher.schedule().chunks}
+    assert chunks["cached"].offloaded and chunks["cached"].start_pos == 8 * B
+    assert not chunks["longer"].offloaded
+
+
+def test_a_request_preempted_and_placed_again_in_one_plan_takes_no_host_blocks():
+    """Its worker frees everything of it before the plan's chunks: taking blocks first would lose them."""
+    ids = list(range(900, 900 + 4 * B + 1))
+    host, _ = _host_with(ids, 4)
+    batcher = _batcher(blocks=64, offload="always", limits={"offload_blocks": 6}, host=host)
+    seq = _seq("c", ids)
+    batcher.add(seq)
+    batcher.schedule()
+    batcher._preempt(seq)
+    plan = batcher.schedule()
+    assert plan.released == ("c",) and plan.chunks[0].start_pos == 0 and plan.chunks[0].host_prefix == ()
+
+
+def test_host_allocations_evict_unheld_cached_blocks_least_recently_used_first():
+    host = HostBlocks(8)
+    old, new = host.allocate("old", 3), host.allocate("new", 3)
+    host.insert([bytes([i]) * NAME_BYTES for i in range(3)], old)
+    host.insert([bytes([10 + i]) * NAME_BYTES for i in range(3)], new)
+    host.release("old")
+    host.release("new")
+    held = host.acquire("reader", [bytes([10]) * NAME_BYTES])  # the newer prefix's head, now held
+    assert held == new[:1]
+    got = host.allocate("x", 5)  # 2 free + 3 evicted: the old prefix's, least recently used
+    assert set(old) <= set(got) and len(host.prefix) == 3 and host.prefix.stats.evicted_blocks == 3
+    with pytest.raises(PoolExhausted):
+        host.allocate("y", 3)  # two cached blocks can go, the held one cannot
+    host.allocator.check()
 
 
 @pytest.mark.parametrize("limits", [{}, {"max_running": 8}])
@@ -168,14 +232,15 @@ def test_the_switch_is_checked():
     ("mode", "budget", "policy", "pool"),
     [
         ("dense", 0, "never", 4096),
-        ("pulse", 512, "always", 640),  # a covering budget: every request offloaded, none reuses
+        ("pulse", 512, "always", 640),  # a covering budget, every request offloaded: they reuse host blocks
+        ("pulse", 64, "always", 640),  # sparse, every request offloaded
         ("pulse", 64, "auto", 256),  # sparse: the long request cannot be resident, the sharers are
     ],
 )
 def test_greedy_tokens_are_the_same_with_the_cache_on_and_off(model, mode, budget, policy, pool):
     """A first request warms the cache; then two requests sharing its 160-token prefix reuse its
-    blocks where they run resident, beside a long one sharing nothing. Offloaded requests neither
-    reuse nor add device blocks."""
+    blocks (device blocks resident, host blocks offloaded: sink and recent window read back into
+    their footprint), beside a long one sharing nothing."""
     text = model.tokenizer.encode(" ".join(str(i) for i in range(1000)))
     shared = text[:160]
     second_wave = [shared + text[700:720], shared + text[800:830], text[1000:1300]]
@@ -189,7 +254,8 @@ def test_greedy_tokens_are_the_same_with_the_cache_on_and_off(model, mode, budge
         rest = engine.generate(second_wave, params)
         runs[cache] = [c.token_ids for c in first + rest], [c.cached_tokens for c in rest], [c.offloaded for c in rest]
         assert_device_idle(engine)
+        assert_host_idle(engine)
     assert runs["on"][0] == runs["off"][0]
     offloaded = {"never": [False] * 3, "always": [True] * 3, "auto": [False, False, True]}[policy]
     assert runs["on"][2] == offloaded and runs["off"][2][2] == offloaded[2]  # without reuse a sharer may be offloaded too
-    assert runs["off"][1] == [0, 0, 0] and runs["on"][1] == [0 if off else 160 for off in offloaded[:2]] + [0]
+    assert runs["off"][1] == [0, 0, 0] and runs["on"][1] == [160, 160, 0]

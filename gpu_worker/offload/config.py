@@ -16,11 +16,14 @@ from pulseinfer.kv_store.view import PoolView
 
 
 class HostAllocator(Protocol):
-    """kv_store's BlockAllocator in-process, or KVStoreClient across processes."""
+    """The host pool's blocks and their prefix cache: kv_store's HostBlocks in-process, or
+    KVStoreClient across processes."""
 
     def allocate(self, owner: str, count: int) -> list[int]: ...
 
     def release(self, owner: str) -> int: ...
+
+    def insert(self, names: list[bytes], blocks: list[int]) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,11 @@ and the pool of a restarted kv_store mapped anew."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
+
+import torch
 
 from pulseinfer.gpu_worker.batch import ForwardBatch
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
@@ -13,6 +16,7 @@ from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
 from pulseinfer.gpu_worker.offload.counters import RecallCounters
 from pulseinfer.gpu_worker.offload.hot import HotBuffers
 from pulseinfer.gpu_worker.offload.layout import OffloadedSeq
+from pulseinfer.gpu_worker.offload.prefix import copy_sink, import_prefix
 from pulseinfer.gpu_worker.offload.recall import HostCopier, RecallQueue
 from pulseinfer.gpu_worker.offload.step import OffloadStep, StepContext
 from pulseinfer.gpu_worker.sparse import AttentionMass, BlockSummaries, Scorer
@@ -20,6 +24,9 @@ from pulseinfer.kernels.attention import GatherWorkspace
 from pulseinfer.kv_store.allocator import PoolExhausted
 from pulseinfer.kv_store.client import HostPoolLost, KVStoreUnavailable
 from pulseinfer.scheduler.plan import Chunk, RecallStats, StepPlan
+
+log = logging.getLogger("gpu_worker")
+HOST_ERRORS = (PoolExhausted, KVStoreUnavailable, HostPoolLost, ValueError)
 
 
 class OffloadManager:
@@ -73,11 +80,12 @@ class OffloadManager:
         self.seqs.clear()
 
     def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
+        """Frees the requests' states and host blocks (also of one that never reached this worker:
+        the scheduler takes a placement's cached host blocks for it before sending its first chunk)."""
         for seq_id in seq_ids:
             seq = self.seqs.pop(seq_id, None)
-            if seq is None:
-                continue
-            self.hot.remove(seq.hot_row)
+            if seq is not None:
+                self.hot.remove(seq.hot_row)
             try:
                 self.host.allocator.release(seq_id)
             except (HostPoolLost, KVStoreUnavailable):
@@ -96,7 +104,7 @@ class OffloadManager:
             try:
                 self._ready_or_reattach(chunk)
                 kept.append(chunk)
-            except (PoolExhausted, KVStoreUnavailable, HostPoolLost, ValueError) as e:
+            except HOST_ERRORS as e:
                 failed[chunk.seq_id] = str(e)
         lost = [c for c in kept if c.offloaded and c.seq_id not in self.seqs]  # readied, then dropped by a pool loss
         failed.update({c.seq_id: f"request {c.seq_id}: its offloaded KV was lost when the kv_store restarted" for c in lost})
@@ -105,11 +113,10 @@ class OffloadManager:
     def _ready_or_reattach(self, chunk: Chunk) -> None:
         """A new request that finds the kv_store restarted maps the new pool and goes on; the
         requests whose KV was in the old pool are dropped (and fail)."""
-        args = (chunk.seq_id, chunk.block_table, chunk.start_pos, chunk.end_pos)
         try:
             if self.view is None:  # detached from a dead kv_store
                 raise HostPoolLost("the kv_store restarted")
-            self._ready(*args)
+            self._ready(chunk)
         except HostPoolLost:
             self._drop_seqs()
             if self.host.reattach is None:
@@ -120,18 +127,21 @@ class OffloadManager:
                 self.remote = self.host.recall_engine(self.cache)
             if chunk.start_pos != 0:
                 raise
-            self._ready(*args)
+            self._ready(chunk)
 
-    def _ready(self, seq_id: str, footprint: tuple[int, ...], start: int, end: int) -> None:
+    def _ready(self, chunk: Chunk) -> None:
         g = self.geometry
+        seq_id, footprint, start, end = chunk.seq_id, chunk.block_table, chunk.start_pos, chunk.end_pos
         seq = self.seqs.get(seq_id)
         if seq is None:
-            if start != 0:
+            if start != len(chunk.host_prefix) * g.block_size:
                 raise ValueError(f"request {seq_id}: its offloaded KV is gone from this worker (the kv_store restarted)")
             if len(footprint) != g.device_blocks:
                 raise ValueError(f"request {seq_id}: {len(footprint)} device blocks for an offloaded request, expected {g.device_blocks}")
             summaries = BlockSummaries(self.cache.shape.num_layers, self.scorer, g.block_size, self.cache.k.device)
             seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, summaries, self.hot.add(tuple(footprint)))
+            if chunk.host_prefix:
+                import_prefix(seq, list(chunk.host_prefix), self.cache, self.view)
         if seq.length != start or seq.footprint != tuple(footprint):
             raise ValueError(f"request {seq_id}: the plan (position {start}) disagrees with the worker's state ({seq.length} tokens)")
         hosted = max(0, end // g.block_size - g.sink_blocks)
@@ -145,6 +155,34 @@ class OffloadManager:
             return self.host.allocator.allocate(seq_id, count)
         except PoolExhausted as e:
             raise PoolExhausted(f"request {seq_id}: host KV pool exhausted ({e})") from e
+
+    def name_blocks(self, chunks: tuple[Chunk, ...]) -> None:
+        """Gives the host tier's prefix cache the offloaded chunks' full blocks written this step
+        (best effort: a block left unnamed costs a later request its reuse, nothing else)."""
+        g, names, blocks = self.geometry, [], []
+        for chunk in chunks:
+            seq = self.seqs.get(chunk.seq_id)
+            if seq is None or not chunk.block_names:
+                continue
+            first = chunk.start_pos // g.block_size
+            logical = range(first, first + len(chunk.block_names))
+            sink = [j for j in logical if j < g.sink_blocks]
+            try:
+                copies = self._allocate(seq.seq_id, len(sink)) if sink else []
+            except HOST_ERRORS as e:
+                log.debug("request %s: its sink blocks stay unnamed: %s", seq.seq_id, e)
+                continue
+            if sink:
+                copy_sink(seq, sink, copies, self.cache, self.view)
+            names += chunk.block_names
+            blocks += copies + [seq.host_blocks[j - g.sink_blocks] for j in logical if j >= g.sink_blocks]
+        if names:
+            if self.cache.k.device.type == "cuda":  # a name is published once its blocks' writes have landed
+                torch.cuda.current_stream().synchronize()
+            try:
+                self.host.allocator.insert(list(names), blocks)
+            except HOST_ERRORS as e:
+                log.debug("%d blocks stay unnamed: %s", len(names), e)
 
     def begin(self, plan: StepPlan, batch: ForwardBatch) -> OffloadStep | None:
         chunks = [c for c in plan.chunks if c.offloaded]

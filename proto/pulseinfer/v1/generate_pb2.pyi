@@ -263,7 +263,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., max_decode_batch: _Optional[int] = ..., last_decode_batch: _Optional[int] = ..., step_overhead_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., pid: _Optional[int] = ..., offloaded: _Optional[int] = ..., integrity_error: _Optional[str] = ..., offloaded_admissions: _Optional[int] = ..., recall_units: _Optional[int] = ..., recall_transfers: _Optional[int] = ..., recall_bytes: _Optional[int] = ..., recall_wait_s: _Optional[float] = ..., recall_prefetched_units: _Optional[int] = ..., recall_corrected_units: _Optional[int] = ..., recall_io_busy_s: _Optional[float] = ..., recall_truncated_units: _Optional[int] = ..., recall_suspended_rows: _Optional[int] = ..., recall_resumed_layers: _Optional[int] = ..., link_bytes_per_s: _Optional[float] = ..., recall_bytes_per_offloaded_step: _Optional[float] = ..., decode_compute_s: _Optional[float] = ..., held_for_link: _Optional[int] = ..., max_running: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "workers_alive", "device_blocks_total", "device_blocks_free", "host_blocks_total", "host_blocks_free", "workers", "kv_store_alive", "host_integrity_error", "kv_store_engine_recalls", "kv_store_engine_busy_s")
+    __slots__ = ("running", "waiting", "workers_alive", "device_blocks_total", "device_blocks_free", "host_blocks_total", "host_blocks_free", "workers", "kv_store_alive", "host_integrity_error", "kv_store_engine_recalls", "kv_store_engine_busy_s", "host_prefix_cached_blocks", "host_prefix_evicted_blocks")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,8 @@ class SchedulerStats(_message.Message):
     HOST_INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_ENGINE_RECALLS_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_ENGINE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_PREFIX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     workers_alive: int
@@ -288,7 +290,9 @@ class SchedulerStats(_message.Message):
     host_integrity_error: str
     kv_store_engine_recalls: int
     kv_store_engine_busy_s: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., kv_store_alive: _Optional[bool] = ..., host_integrity_error: _Optional[str] = ..., kv_store_engine_recalls: _Optional[int] = ..., kv_store_engine_busy_s: _Optional[float] = ...) -> None: ...
+    host_prefix_cached_blocks: int
+    host_prefix_evicted_blocks: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., kv_store_alive: _Optional[bool] = ..., host_integrity_error: _Optional[str] = ..., kv_store_engine_recalls: _Optional[int] = ..., kv_store_engine_busy_s: _Optional[float] = ..., host_prefix_cached_blocks: _Optional[int] = ..., host_prefix_evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()

@@ -48,6 +48,30 @@ class Ping(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AcquirePrefix(_message.Message):
+    __slots__ = ("owner", "worker_id", "names", "match_only")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    MATCH_ONLY_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    worker_id: int
+    names: _containers.RepeatedScalarFieldContainer[bytes]
+    match_only: bool
+    def __init__(self, owner: _Optional[str] = ..., worker_id: _Optional[int] = ..., names: _Optional[_Iterable[bytes]] = ..., match_only: _Optional[bool] = ...) -> None: ...
+
+class NameBlocks(_message.Message):
+    __slots__ = ("names", "blocks")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[bytes]
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, names: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DropPrefixCache(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class OpenRecallTarget(_message.Message):
     __slots__ = ("worker_id", "num_layers", "slots", "kv_heads", "head_dim", "block_size", "cuda")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -95,20 +119,26 @@ class StatsQuery(_message.Message):
     def __init__(self) -> None: ...
 
 class KVStoreRequest(_message.Message):
-    __slots__ = ("register", "allocate", "release", "ping", "stats", "open_recall")
+    __slots__ = ("register", "allocate", "release", "ping", "stats", "open_recall", "acquire_prefix", "name_blocks", "drop_prefix_cache")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     OPEN_RECALL_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NAME_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DROP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     register: RegisterWorker
     allocate: Allocate
     release: Release
     ping: Ping
     stats: StatsQuery
     open_recall: OpenRecallTarget
-    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ..., open_recall: _Optional[_Union[OpenRecallTarget, _Mapping]] = ...) -> None: ...
+    acquire_prefix: AcquirePrefix
+    name_blocks: NameBlocks
+    drop_prefix_cache: DropPrefixCache
+    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ..., open_recall: _Optional[_Union[OpenRecallTarget, _Mapping]] = ..., acquire_prefix: _Optional[_Union[AcquirePrefix, _Mapping]] = ..., name_blocks: _Optional[_Union[NameBlocks, _Mapping]] = ..., drop_prefix_cache: _Optional[_Union[DropPrefixCache, _Mapping]] = ...) -> None: ...
 
 class PoolLayout(_message.Message):
     __slots__ = ("shm_name", "num_blocks", "unit_bytes", "num_layers")
@@ -123,7 +153,7 @@ class PoolLayout(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., unit_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class KVStoreStats(_message.Message):
-    __slots__ = ("blocks_total", "blocks_free", "owners", "workers", "integrity_error", "engine_recalls", "engine_busy_s")
+    __slots__ = ("blocks_total", "blocks_free", "owners", "workers", "integrity_error", "engine_recalls", "engine_busy_s", "prefix_cached_blocks", "prefix_evicted_blocks")
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +161,8 @@ class KVStoreStats(_message.Message):
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     ENGINE_RECALLS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     blocks_total: int
     blocks_free: int
     owners: int
@@ -138,7 +170,9 @@ class KVStoreStats(_message.Message):
     integrity_error: str
     engine_recalls: int
     engine_busy_s: float
-    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ..., integrity_error: _Optional[str] = ..., engine_recalls: _Optional[int] = ..., engine_busy_s: _Optional[float] = ...) -> None: ...
+    prefix_cached_blocks: int
+    prefix_evicted_blocks: int
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ..., integrity_error: _Optional[str] = ..., engine_recalls: _Optional[int] = ..., engine_busy_s: _Optional[float] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class KVStoreResponse(_message.Message):
     __slots__ = ("code", "error", "blocks", "freed", "layout", "stats")

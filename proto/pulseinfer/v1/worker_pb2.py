@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+pulseinfer/proto/pulseinfer/v1/worker.proto\x12\rpulseinfer.v1\"]\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\r\"\xa6\x01\n\x05\x43hunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pulseinfer.v1.SamplingSpecH\x00\x88\x01\x01\x12\x11\n\toffloaded\x18\x06 \x01(\x08\x42\x0b\n\t_sampling\"S\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.pulseinfer.v1.Chunk\x12\x10\n\x08released\x18\x03 \x03(\t\"0\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"\xd9\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.pulseinfer.v1.SampledToken\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12,\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x1c.pulseinfer.v1.SequenceError\x12*\n\x06recall\x18\x06 \x01(\x0b\x32\x1a.pulseinfer.v1.RecallStats\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\"\xdd\x01\n\x0bRecallStats\x12\r\n\x05units\x18\x01 \x01(\x04\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x18\n\x10prefetched_units\x18\x05 \x01(\x04\x12\x17\n\x0f\x63orrected_units\x18\x06 \x01(\x04\x12\x11\n\tio_busy_s\x18\x07 \x01(\x01\x12\x17\n\x0ftruncated_units\x18\x08 \x01(\x04\x12\x16\n\x0esuspended_rows\x18\t \x01(\x04\x12\x16\n\x0eresumed_layers\x18\n \x01(\x04\".\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xe2\x01\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cmax_position\x18\x05 \x01(\r\x12\x13\n\x06\x65os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x16\n\x0eoffload_blocks\x18\t \x01(\r\x12\x13\n\x0bmax_running\x18\n \x01(\rB\t\n\x07_eos_id\"s\n\rWorkerMessage\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.pulseinfer.v1.StepResultH\x00\x12-\n\theartbeat\x18\x02 \x01(\x0b\x32\x18.pulseinfer.v1.HeartbeatH\x00\x42\x06\n\x04kind\"p\n\x10SchedulerMessage\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x17.pulseinfer.v1.StepPlanH\x00\x12+\n\x08shutdown\x18\x02 \x01(\x0b\x32\x17.pulseinfer.v1.ShutdownH\x00\x42\x06\n\x04kind\"\n\n\x08Shutdownb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+pulseinfer/proto/pulseinfer/v1/worker.proto\x12\rpulseinfer.v1\"]\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\r\"\xd0\x01\n\x05\x43hunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pulseinfer.v1.SamplingSpecH\x00\x88\x01\x01\x12\x11\n\toffloaded\x18\x06 \x01(\x08\x12\x13\n\x0bhost_prefix\x18\x07 \x03(\x04\x12\x13\n\x0b\x62lock_names\x18\x08 \x03(\x0c\x42\x0b\n\t_sampling\"S\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.pulseinfer.v1.Chunk\x12\x10\n\x08released\x18\x03 \x03(\t\"0\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"\xd9\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.pulseinfer.v1.SampledToken\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12,\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x1c.pulseinfer.v1.SequenceError\x12*\n\x06recall\x18\x06 \x01(\x0b\x32\x1a.pulseinfer.v1.RecallStats\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\"\xdd\x01\n\x0bRecallStats\x12\r\n\x05units\x18\x01 \x01(\x04\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x18\n\x10prefetched_units\x18\x05 \x01(\x04\x12\x17\n\x0f\x63orrected_units\x18\x06 \x01(\x04\x12\x11\n\tio_busy_s\x18\x07 \x01(\x01\x12\x17\n\x0ftruncated_units\x18\x08 \x01(\x04\x12\x16\n\x0esuspended_rows\x18\t \x01(\x04\x12\x16\n\x0eresumed_layers\x18\n \x01(\x04\".\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xe2\x01\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cmax_position\x18\x05 \x01(\r\x12\x13\n\x06\x65os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x16\n\x0eoffload_blocks\x18\t \x01(\r\x12\x13\n\x0bmax_running\x18\n \x01(\rB\t\n\x07_eos_id\"s\n\rWorkerMessage\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.pulseinfer.v1.StepResultH\x00\x12-\n\theartbeat\x18\x02 \x01(\x0b\x32\x18.pulseinfer.v1.HeartbeatH\x00\x42\x06\n\x04kind\"p\n\x10SchedulerMessage\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x17.pulseinfer.v1.StepPlanH\x00\x12+\n\x08shutdown\x18\x02 \x01(\x0b\x32\x17.pulseinfer.v1.ShutdownH\x00\x42\x06\n\x04kind\"\n\n\x08Shutdownb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGSPEC']._serialized_start=62
   _globals['_SAMPLINGSPEC']._serialized_end=155
   _globals['_CHUNK']._serialized_start=158
-  _globals['_CHUNK']._serialized_end=324
-  _globals['_STEPPLAN']._serialized_start=326
-  _globals['_STEPPLAN']._serialized_end=409
-  _globals['_SAMPLEDTOKEN']._serialized_start=411
-  _globals['_SAMPLEDTOKEN']._serialized_end=459
-  _globals['_STEPRESULT']._serialized_start=462
-  _globals['_STEPRESULT']._serialized_end=679
-  _globals['_RECALLSTATS']._serialized_start=682
-  _globals['_RECALLSTATS']._serialized_end=903
-  _globals['_SEQUENCEERROR']._serialized_start=905
-  _globals['_SEQUENCEERROR']._serialized_end=951
-  _globals['_HEARTBEAT']._serialized_start=954
-  _globals['_HEARTBEAT']._serialized_end=1180
-  _globals['_WORKERMESSAGE']._serialized_start=1182
-  _globals['_WORKERMESSAGE']._serialized_end=1297
-  _globals['_SCHEDULERMESSAGE']._serialized_start=1299
-  _globals['_SCHEDULERMESSAGE']._serialized_end=1411
-  _globals['_SHUTDOWN']._serialized_start=1413
-  _globals['_SHUTDOWN']._serialized_end=1423
+  _globals['_CHUNK']._serialized_end=366
+  _globals['_STEPPLAN']._serialized_start=368
+  _globals['_STEPPLAN']._serialized_end=451
+  _globals['_SAMPLEDTOKEN']._serialized_start=453
+  _globals['_SAMPLEDTOKEN']._serialized_end=501
+  _globals['_STEPRESULT']._serialized_start=504
+  _globals['_STEPRESULT']._serialized_end=721
+  _globals['_RECALLSTATS']._serialized_start=724
+  _globals['_RECALLSTATS']._serialized_end=945
+  _globals['_SEQUENCEERROR']._serialized_start=947
+  _globals['_SEQUENCEERROR']._serialized_end=993
+  _globals['_HEARTBEAT']._serialized_start=996
+  _globals['_HEARTBEAT']._serialized_end=1222
+  _globals['_WORKERMESSAGE']._serialized_start=1224
+  _globals['_WORKERMESSAGE']._serialized_end=1339
+  _globals['_SCHEDULERMESSAGE']._serialized_start=1341
+  _globals['_SCHEDULERMESSAGE']._serialized_end=1453
+  _globals['_SHUTDOWN']._serialized_start=1455
+  _globals['_SHUTDOWN']._serialized_end=1465
 # @@protoc_insertion_point(module_scope)

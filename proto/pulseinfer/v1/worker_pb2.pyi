@@ -21,20 +21,24 @@ class SamplingSpec(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "sampling", "offloaded")
+    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "sampling", "offloaded", "host_prefix", "block_names")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    HOST_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NAMES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
     block_table: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingSpec
     offloaded: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., offloaded: _Optional[bool] = ...) -> None: ...
+    host_prefix: _containers.RepeatedScalarFieldContainer[int]
+    block_names: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., offloaded: _Optional[bool] = ..., host_prefix: _Optional[_Iterable[int]] = ..., block_names: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "chunks", "released")

@@ -1,13 +1,13 @@
-"""Automatic prefix caching of a worker's device KV pool, block-granular as vLLM's: each full
-block of a request's tokens is named by a hash chained over its tokens and its prefix's hash, so
-equal names mean equal tokens at equal positions, hence equal KV. A new request reuses every
-full block of its longest cached prefix and prefills only the rest.
+"""Automatic prefix caching, block-granular as vLLM's: each full block of a request's tokens is
+named by a hash chained over its tokens and its prefix's hash, so equal names mean equal tokens at
+equal positions, hence equal KV. A new request reuses every full block of its longest cached prefix
+and prefills only the rest.
 
+One PrefixCache per tier: the scheduler's view of each worker's device pool (resident requests),
+and the kv_store's host pool (offloaded requests: HostBlocks, the pool's allocator with its cache).
 The cache holds one reference on each block it names (as the allocator owner CACHE_OWNER), so a
 block outlives the request that computed it; requests that reuse it add theirs. A block only the
-cache references is free to evict: least recently used first, and only when an allocation needs
-room. Offloaded requests keep their KV in a fixed device footprint and the host pool, so they
-neither reuse nor add device blocks here.
+cache references is free to evict: least recently used first, and only when an allocation needs room.
 """
 
 from __future__ import annotations
@@ -16,18 +16,20 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from pulseinfer.kv_store.allocator import BlockAllocator
 
 CACHE_OWNER = "\0prefix-cache"  # no request id can be this (the APIs refuse control characters in ids)
 ROOT = b""
+NAME_BYTES = 16
 
 
 def chain_hashes(ids: list[int], block_size: int, start: int, count: int, parent: bytes) -> list[bytes]:
     """Names of full blocks start..start+count-1 of `ids`, the first chained to `parent`."""
     out = []
     for i in range(start, start + count):
-        parent = hashlib.blake2b(parent + array("I", ids[i * block_size : (i + 1) * block_size]).tobytes(), digest_size=16).digest()
+        parent = hashlib.blake2b(parent + array("I", ids[i * block_size : (i + 1) * block_size]).tobytes(), digest_size=NAME_BYTES).digest()
         out.append(parent)
     return out
 
@@ -40,9 +42,8 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator, block_size: int):
+    def __init__(self, allocator: BlockAllocator):
         self.allocator = allocator
-        self.block_size = block_size
         self.blocks: OrderedDict[bytes, int] = OrderedDict()  # name -> device block, least recently used first
         self.stats = PrefixStats()
 
@@ -59,12 +60,12 @@ class PrefixCache:
             found.append(block)
         return found
 
-    def acquire(self, owner: str, names: list[bytes]) -> int:
-        """Gives `owner` a reference to each block of its longest cached prefix; returns how many."""
+    def acquire(self, owner: str, names: list[bytes]) -> list[int]:
+        """Gives `owner` a reference to each block of its longest cached prefix; returns them."""
         blocks = self.match(names)
         self.allocator.share(owner, blocks)
         self.touch(names[: len(blocks)])
-        return len(blocks)
+        return blocks
 
     def touch(self, names: list[bytes]) -> None:
         """Marks a prefix's blocks used now, its head most recent: a tail is evicted before its head,
@@ -104,3 +105,51 @@ class PrefixCache:
         self.stats.evicted_blocks += len(self.blocks)
         self.blocks.clear()
         return self.allocator.release(CACHE_OWNER)
+
+
+class HostPrefix(Protocol):
+    """The host tier's prefix cache as a worker's batcher asks it (HostBlocks in-process; the
+    kv_store across processes)."""
+
+    def match(self, names: list[bytes]) -> int: ...
+
+    def acquire(self, owner: str, names: list[bytes]) -> list[int]: ...
+
+
+class HostBlocks:
+    """The host pool's blocks: an allocator whose allocations evict cached blocks no request holds
+    when the pool is short of free ones, and the prefix cache of the offloaded requests' blocks.
+    The kv_store serves it to its workers; the in-process engine uses it directly."""
+
+    def __init__(self, num_blocks: int):
+        self.allocator = BlockAllocator(num_blocks)
+        self.prefix = PrefixCache(self.allocator)
+
+    def allocate(self, owner: str, count: int) -> list[int]:
+        short = count - self.allocator.num_free
+        if short > 0:
+            self.prefix.evict(short)
+        return self.allocator.allocate(owner, count)
+
+    def release(self, owner: str) -> int:
+        return self.allocator.release(owner)
+
+    def match(self, names: list[bytes]) -> int:
+        """Blocks of the longest cached prefix of `names`."""
+        return len(self.prefix.match(names))
+
+    def acquire(self, owner: str, names: list[bytes]) -> list[int]:
+        """Host blocks of the longest cached prefix of `names`, each now also referenced by `owner`."""
+        return self.prefix.acquire(owner, names)
+
+    def insert(self, names: list[bytes], blocks: list[int]) -> None:
+        """Names blocks a request holds (full, written); raises ValueError for a free block."""
+        if len(names) != len(blocks):
+            raise ValueError(f"{len(names)} names for {len(blocks)} blocks")
+        for block in blocks:
+            if not 0 <= block < self.allocator.num_blocks or self.allocator.refcount(block) == 0:
+                raise ValueError(f"block {block} is not in use and cannot be named")
+        self.prefix.insert(names, blocks)
+
+    def drop_prefix_cache(self) -> int:
+        return self.prefix.clear()

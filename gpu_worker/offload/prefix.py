@@ -1,0 +1,40 @@
+"""The host tier's prefix cache as an offloaded request's worker sees it: a request starts from the
+cached host blocks of its prefix (its sink and recent window read into its device footprint, the
+key summaries of the rest computed from their keys: no model compute), and its full blocks are
+named once written (sink blocks, which live on the device, first copied to host blocks of their own)."""
+
+from __future__ import annotations
+
+import torch
+
+from pulseinfer.gpu_worker.kv_cache import PagedKVCache
+from pulseinfer.gpu_worker.offload.layout import OffloadedSeq
+from pulseinfer.kv_store.view import PoolView
+
+
+def import_prefix(seq: OffloadedSeq, blocks: list[int], cache: PagedKVCache, view: PoolView) -> None:
+    """Makes `blocks` (host blocks of logical blocks 0..n-1, held for the request) its KV."""
+    g = seq.geometry
+    length = len(blocks) * g.block_size
+    seq.host_blocks = list(blocks[g.sink_blocks :])
+    on_device = [j for j in range(min(g.sink_blocks, len(blocks)))] + list(seq.window(length))
+    devs = torch.tensor([seq.device_block(j, length) for j in on_device], dtype=torch.long, device=cache.k.device)
+    seq.summaries.reserve(len(seq.host_blocks))
+    for layer in range(cache.shape.num_layers):
+        units = view.read(torch.tensor([blocks[j] for j in on_device], dtype=torch.long), layer, cache.k.device)
+        for i, cached in enumerate(cache.layer(layer)):
+            cached.view(-1, g.block_size, *cached.shape[1:])[devs] = units[:, i].transpose(1, 2)
+        if seq.host_blocks:
+            keys = view.read(torch.tensor(seq.host_blocks, dtype=torch.long), layer, cache.k.device)[:, 0].transpose(1, 2)
+            seq.summaries.write(layer, 0, keys)
+    seq.length = length
+
+
+def copy_sink(seq: OffloadedSeq, logical: list[int], host_blocks: list[int], cache: PagedKVCache, view: PoolView) -> None:
+    """Writes the request's sink blocks `logical` to `host_blocks`, every layer."""
+    B = seq.geometry.block_size
+    devs = torch.tensor([seq.sink[j] for j in logical], dtype=torch.long, device=cache.k.device)
+    ids = torch.tensor(host_blocks, dtype=torch.long)
+    for layer in range(cache.shape.num_layers):
+        k, v = (cached.view(-1, B, *cached.shape[1:])[devs] for cached in cache.layer(layer))
+        view.write(ids, layer, k, v)
