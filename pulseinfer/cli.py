@@ -29,12 +29,15 @@ def _generate_parser(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from pulseinfer.common.model.meta import load_model_config
     from pulseinfer.engine import Engine, EngineConfig
     from pulseinfer.scheduler.request import SamplingParams
 
     text = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
     params = dataclasses.replace(from_flags(SamplingParams, args), stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids))
-    engine = Engine(from_flags(EngineConfig, args))
+    config = from_flags(EngineConfig, args)
+    params.validate(load_model_config(config.model, config.load_format).vocab_size)  # a bad flag fails before the model loads
+    engine = Engine(config)
     tok = engine.tokenizer
     prompt_ids = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
     (completion,) = engine.generate([prompt_ids], params)

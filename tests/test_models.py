@@ -36,11 +36,11 @@ def _prose(tokenizer, n_tokens: int, offset: int) -> list[int]:
 
 
 def test_gemma3_270m_greedy_tokens_equal_transformers(gemma):
-    """Three prompts up to 1k tokens, decoded together by the engine (sliding windows of 512
+    """A short prompt and one of 1k tokens, decoded together by the engine (sliding windows of 512
     crossed) and one by one by transformers on the same GGUF."""
     path = gemma3_270m_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    prompts = [gemma.tokenizer.encode("The capital of France is"), _prose(gemma.tokenizer, 600, 0), _prose(gemma.tokenizer, 1000, 5000)]
+    prompts = [gemma.tokenizer.encode("The capital of France is"), _prose(gemma.tokenizer, 1000, 5000)]
     ours = gemma.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     for prompt, completion in zip(prompts, ours):
         with torch.inference_mode():
