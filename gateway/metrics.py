@@ -137,6 +137,9 @@ class GatewayMetrics:
             ),
             "prefix_queried_tokens": Counter(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
             "prefix_hit_tokens": Counter(p + "prefix_cache_hits_total", "Prompt tokens whose KV the prefix cache had."),
+            "prefix_host_hit_tokens": Counter(
+                p + "prefix_cache_host_hits_total", "Of the prefix cache's hits, tokens offloaded requests found in the host tier."
+            ),
         }
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache (0-1).")
         self.allocators_corrupt = Gauge(p + "kv_allocators_corrupt", "Block allocators failing their self-check (0: healthy).")

@@ -38,6 +38,7 @@ def chain_hashes(ids: list[int], block_size: int, start: int, count: int, parent
 class PrefixStats:
     queried_tokens: int = 0  # prompt tokens of requests placed, resident or offloaded (once each)
     hit_tokens: int = 0  # of those, tokens whose KV came from the cache
+    host_hit_tokens: int = 0  # of those, from the host tier's cache (offloaded placements)
     evicted_blocks: int = 0
 
 

@@ -294,6 +294,7 @@ class Batcher:
         seq.cached_tokens = min(seq.num_cached, len(seq.prompt_ids))
         self.prefix.stats.queried_tokens += len(seq.prompt_ids)
         self.prefix.stats.hit_tokens += seq.cached_tokens
+        self.prefix.stats.host_hit_tokens += seq.cached_tokens if seq.offloaded else 0
 
     def _name_blocks(self, seq: Sequence) -> None:
         """Gives the cache the resident sequence's full blocks computed since the last step."""

@@ -304,6 +304,7 @@ def _prefix_stats(batcher: Batcher) -> dict[str, int]:
         "prefix_evicted_blocks": cache.stats.evicted_blocks,
         "prefix_queried_tokens": cache.stats.queried_tokens,
         "prefix_hit_tokens": cache.stats.hit_tokens,
+        "prefix_host_hit_tokens": cache.stats.host_hit_tokens,
     }
 
 

@@ -116,6 +116,7 @@ def test_offloaded_requests_reuse_the_host_blocks_of_a_shared_prefix_and_a_reset
     assert warm.usage.prompt_tokens_details.cached_tokens == blocks * 16  # every full block but the last token's
     assert warm.choices[0].text == cold.choices[0].text
     assert sharer.usage.prompt_tokens_details.cached_tokens >= blocks * 16
+    assert cluster.metric("prefix_cache_host_hits_total", worker="0") >= 2 * blocks * 16  # counted as the host tier's
     cluster.wait_for(lambda: cluster.metric("num_requests_running") == 0 and _host_idle(cluster), 30, "the host tier to be idle")
     assert cluster.metric("prefix_cache_host_blocks") >= blocks
     status, body = cluster.request("/reset_prefix_cache", {})

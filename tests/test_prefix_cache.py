@@ -164,7 +164,8 @@ def test_an_offloaded_request_starts_from_the_host_blocks_of_its_cached_prefix()
     assert chunk.offloaded and chunk.start_pos == 5 * B and chunk.host_prefix == tuple(cached)
     assert all(host.allocator.refcount(x) == 2 for x in cached)  # the cache's and the request's
     assert chunk.block_names == tuple(chain_hashes(ids, B, 0, 8, ROOT)[5:])  # the blocks it completes, for its worker to name
-    assert batcher.running[0].cached_tokens == 5 * B and batcher.prefix.stats.hit_tokens == 5 * B
+    stats = batcher.prefix.stats
+    assert batcher.running[0].cached_tokens == 5 * B and stats.hit_tokens == stats.host_hit_tokens == 5 * B
     batcher.abort("b")
     assert batcher.released == ["b"]  # its worker frees what it holds, the cached blocks' references included
 
