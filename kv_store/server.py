@@ -23,7 +23,7 @@ from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES
 from pulseinfer.kv_store.engine import RecallEngine
 from pulseinfer.kv_store.layout import PoolGeometry
 from pulseinfer.kv_store.pool import SharedPool, pid_alive
-from pulseinfer.kv_store.prefix_cache import NAME_BYTES, HostBlocks
+from pulseinfer.kv_store.prefix_cache import CACHE_OWNER, NAME_BYTES, HostBlocks
 from pulseinfer.kv_store.segments import cache_name, sweep
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
@@ -65,6 +65,9 @@ class KVStore:
 
     def handle(self, request: pb.KVStoreRequest) -> pb.KVStoreResponse:
         kind = request.WhichOneof("kind")
+        owner = getattr(getattr(request, kind), "owner", "") if kind else ""
+        if owner.startswith(CACHE_OWNER[0]):  # the prefix cache's own references: no client may take or drop them
+            return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error="owners starting with NUL are reserved")
         if kind == "register":
             self._register(request.register)
             return pb.KVStoreResponse(layout=self.layout())

@@ -22,6 +22,7 @@ from pulseinfer.kv_store.allocator import PoolExhausted
 from pulseinfer.kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall, recall_target
 from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES, Staging, staged
 from pulseinfer.kv_store.layout import CacheShape, SegmentHeader
+from pulseinfer.kv_store.prefix_cache import CACHE_OWNER
 from pulseinfer.kv_store.view import CUDA_REGISTER_CHUNK, PoolMismatch, PoolView, register_host_range
 from pulseinfer.launcher import Child, start_kv_store
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
@@ -161,6 +162,8 @@ def test_the_host_prefix_cache_names_shares_and_drops_blocks_across_workers(kv_s
             reader.insert([b"short"], blocks[:1])
         with pytest.raises(ValueError, match="not in use"):
             reader.insert([b"y" * 16], [writer.stats().blocks_total - 1])
+        with pytest.raises(ValueError, match="reserved"):
+            writer.release(CACHE_OWNER)  # the cache's own references
         assert writer.drop_prefix_cache() == 1  # the third; the sharer's two stay its own
         assert reader.release("sharer") == 2 and used() == before and writer.stats().prefix_cached_blocks == 0
     finally:
