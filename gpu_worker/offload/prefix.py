@@ -13,20 +13,22 @@ from pulseinfer.kv_store.view import PoolView
 
 
 def import_prefix(seq: OffloadedSeq, blocks: list[int], cache: PagedKVCache, view: PoolView) -> None:
-    """Makes `blocks` (host blocks of logical blocks 0..n-1, held for the request) its KV."""
+    """Makes `blocks` (host blocks of logical blocks 0..n-1, held for the request) its KV: one read
+    of them per layer fills the sink and window slots and gives the host blocks' key summaries."""
     g = seq.geometry
     length = len(blocks) * g.block_size
     seq.host_blocks = list(blocks[g.sink_blocks :])
-    on_device = [j for j in range(min(g.sink_blocks, len(blocks)))] + list(seq.window(length))
+    on_device = list(range(min(g.sink_blocks, len(blocks)))) + list(seq.window(length))
     devs = torch.tensor([seq.device_block(j, length) for j in on_device], dtype=torch.long, device=cache.k.device)
+    rows = torch.tensor(on_device, dtype=torch.long, device=cache.k.device)
+    ids = torch.tensor(blocks, dtype=torch.long)
     seq.summaries.reserve(len(seq.host_blocks))
     for layer in range(cache.shape.num_layers):
-        units = view.read(torch.tensor([blocks[j] for j in on_device], dtype=torch.long), layer, cache.k.device)
+        units = view.read(ids, layer, cache.k.device)  # [blocks, K|V, kv_heads, block_size, dim]
         for i, cached in enumerate(cache.layer(layer)):
-            cached.view(-1, g.block_size, *cached.shape[1:])[devs] = units[:, i].transpose(1, 2)
+            cached.view(-1, g.block_size, *cached.shape[1:])[devs] = units[rows, i].transpose(1, 2)
         if seq.host_blocks:
-            keys = view.read(torch.tensor(seq.host_blocks, dtype=torch.long), layer, cache.k.device)[:, 0].transpose(1, 2)
-            seq.summaries.write(layer, 0, keys)
+            seq.summaries.write(layer, 0, units[g.sink_blocks :, 0].transpose(1, 2))
     seq.length = length
 
 
