@@ -12,12 +12,13 @@ import torch
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.sparse import SCORERS
 from pulseinfer.kv_store.client import RemoteRecall
+from pulseinfer.kv_store.prefix_cache import HostPrefix
 from pulseinfer.kv_store.view import PoolView
 
 
-class HostAllocator(Protocol):
+class HostAllocator(HostPrefix, Protocol):
     """The host pool's blocks and their prefix cache: kv_store's HostBlocks in-process, or
-    KVStoreClient across processes."""
+    KVStoreClient across processes (the in-process engine's batcher asks it as its HostPrefix)."""
 
     def allocate(self, owner: str, count: int) -> list[int]: ...
 
