@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from pulseinfer.common.syncs import to_device
 from pulseinfer.scheduler.plan import StepPlan
 
 
@@ -18,6 +19,15 @@ class PrefillSpan:
     end: int
     ctx_blocks: torch.Tensor | None  # blocks holding context positions 0 .. ctx_len-1; None when offloaded
     ctx_len: int
+
+
+class HostIndex(NamedTuple):
+    """A batch's flat token indices on the host as well: cohorts are cut from them (and the host
+    reads them) without reading the device, where a read waits for the GPU to drain."""
+
+    resident_index: torch.Tensor
+    decode_index: torch.Tensor
+    sample_index: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -34,44 +44,49 @@ class ForwardBatch:
     prefills: tuple[PrefillSpan, ...]
     sample_index: torch.Tensor  # [S] flat index of the tokens whose logits are sampled
     chunk_starts: dict[str, int]  # seq_id -> flat index of its chunk's first token
+    host: HostIndex  # resident_index, decode_index and sample_index on the host
 
     def subset(self, decode_rows: list[int], prefills: bool) -> tuple[ForwardBatch, torch.Tensor]:
         """These decode rows (in the order given), with every prefill chunk too or without them, as a batch
         of their own; and the flat index here of each of its tokens. Rows suspended at a layer go on
-        as such a batch, and so do the others."""
-        device, total = self.input_ids.device, len(self.input_ids)
-        decode_index = self.decode_index.cpu()
+        as such a batch, and so do the others. Its indices are made on the host and moved in one copy."""
+        host, total = self.host, len(self.input_ids)
+        rows = torch.tensor(decode_rows, dtype=torch.long)
         keep = torch.zeros(total, dtype=torch.bool)
         if prefills:
             for span in self.prefills:
                 keep[span.start : span.end] = True
-        keep[decode_index[decode_rows]] = True
+        keep[host.decode_index[rows]] = True
         tokens = keep.nonzero().squeeze(1)
         new = torch.full((total,), -1, dtype=torch.long)
         new[tokens] = torch.arange(len(tokens))
-        tokens = tokens.to(device)
-        resident = self.resident_index.cpu()
-        kept_resident = keep[resident]
-        sampled = self.sample_index.cpu()
-        rows = torch.tensor(decode_rows, dtype=torch.long)
-        on = rows.to(device)
+        kept_resident = keep[host.resident_index]
+        index = HostIndex(
+            resident_index=new[host.resident_index[kept_resident]],
+            decode_index=new[host.decode_index[rows]],
+            sample_index=new[host.sample_index[keep[host.sample_index]]],
+        )
+        written = kept_resident.nonzero().squeeze(1)
+        on_device = to_device([tokens, written, rows, *index], self.input_ids.device)
+        tokens_at, written_at, rows_at, resident_index, decode_index, sample_index = on_device
         batch = ForwardBatch(
-            input_ids=self.input_ids[tokens],
-            positions=self.positions[tokens],
-            resident_index=new[resident[kept_resident]].to(device),
-            write_slots=self.write_slots[kept_resident.to(device)],
-            decode_index=new[decode_index[rows]].to(device),
+            input_ids=self.input_ids[tokens_at],
+            positions=self.positions[tokens_at],
+            resident_index=resident_index,
+            write_slots=self.write_slots[written_at],
+            decode_index=decode_index,
             decode_seq_ids=tuple(self.decode_seq_ids[r] for r in decode_rows),
             decode_rows=tuple(self.decode_rows[r] for r in decode_rows),
-            decode_block_tables=self.decode_block_tables[on],
-            decode_ctx_lens=self.decode_ctx_lens[on],
+            decode_block_tables=self.decode_block_tables[rows_at],
+            decode_ctx_lens=self.decode_ctx_lens[rows_at],
             prefills=tuple(replace(span, start=int(new[span.start]), end=int(new[span.end - 1]) + 1) for span in self.prefills)
             if prefills
             else (),
-            sample_index=new[sampled[keep[sampled]]].to(device),
+            sample_index=sample_index,
             chunk_starts={seq_id: int(new[start]) for seq_id, start in self.chunk_starts.items() if keep[start]},
+            host=index,
         )
-        return batch, tokens
+        return batch, tokens_at
 
 
 class DecodePhase(NamedTuple):
@@ -80,7 +95,8 @@ class DecodePhase(NamedTuple):
     rows: torch.Tensor | None  # None: every decode row of the batch
     tables: torch.Tensor  # [rows, max_blocks], or [rows, kv_heads, max_blocks] in headwise mode
     lens: torch.Tensor
-    suspended: bool = False  # layer cursors: the rows leave the batch here and attend when they resume
+    # layer cursors: these rows (`rows`, on the host) leave the batch here and attend when they resume
+    suspended_rows: tuple[int, ...] = ()
 
 
 def token_slots(block_table: tuple[int, ...], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -92,6 +108,7 @@ def token_slots(block_table: tuple[int, ...], start: int, end: int, block_size: 
 
 
 def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> ForwardBatch:
+    """The plan's tensors, made on the host and moved to the device in one copy."""
     input_ids, positions, resident_index, write_slots, sample_index = [], [], [], [], []
     decode_index, decode_ids, decode_rows, decode_lens, prefills, starts = [], [], [], [], [], {}
     offset = 0
@@ -111,31 +128,37 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Forwar
             decode_rows.append(blocks)
             decode_lens.append(chunk.end_pos)
         else:
-            ctx_blocks = None if chunk.offloaded else torch.tensor(blocks, dtype=torch.long, device=device)
+            ctx_blocks = None if chunk.offloaded else torch.tensor(blocks, dtype=torch.long)
             prefills.append(PrefillSpan(chunk.seq_id, offset, offset + n, ctx_blocks, chunk.end_pos))
         offset += n
         if chunk.sampling is not None:
             sample_index.append(offset - 1)
 
-    def to(values, dtype=torch.long) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=dtype).to(device)
-
     def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
+    def longs(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long)
+
+    host = HostIndex(cat(resident_index), longs(decode_index), longs(sample_index))
+    contexts = [span.ctx_blocks for span in prefills if span.ctx_blocks is not None]
+    tensors = [longs(input_ids), cat(positions), cat(write_slots), pad_tables(decode_rows), longs(decode_lens), *host, *contexts]
+    input_ids, positions, write_slots, tables, lens, resident, decode, sample, *contexts = to_device(tensors, device)
+    on_device = iter(contexts)
     return ForwardBatch(
-        input_ids=to(input_ids),
-        positions=torch.cat(positions).to(device),
-        resident_index=cat(resident_index),
-        write_slots=cat(write_slots),
-        decode_index=to(decode_index),
+        input_ids=input_ids,
+        positions=positions,
+        resident_index=resident,
+        write_slots=write_slots,
+        decode_index=decode,
         decode_seq_ids=tuple(decode_ids),
         decode_rows=tuple(decode_rows),
-        decode_block_tables=pad_tables(decode_rows).to(device),
-        decode_ctx_lens=to(decode_lens),
-        prefills=tuple(prefills),
-        sample_index=to(sample_index),
+        decode_block_tables=tables,
+        decode_ctx_lens=lens,
+        prefills=tuple(span if span.ctx_blocks is None else replace(span, ctx_blocks=next(on_device)) for span in prefills),
+        sample_index=sample,
         chunk_starts=starts,
+        host=host,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pulseinfer.common.syncs import to_host
 from pulseinfer.scheduler.plan import SamplingSpec
 
 _SEED_STRIDE = 1_000_003  # distinct generator seeds per (request seed, token index)
@@ -18,26 +19,31 @@ UNSAMPLEABLE = "the model's logits for this token have no finite maximum (NaN or
 
 def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int | str]:
     """A token per row, or, for a row that cannot be sampled (a broken model row), an error that
-    fails only that row's request."""
+    fails only that row's request. The device is read once: every row's greedy token and finite
+    check, and the distributions of the rows that sample, in one transfer."""
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(specs)} sampling specs")
-    greedy = logits.argmax(dim=-1).tolist()
-    # amax propagates NaN, so this one check catches NaN, all -inf and +inf rows
-    finite = torch.isfinite(logits.amax(dim=-1)).tolist()
+    sampled = [i for i, spec in enumerate(specs) if spec.temperature >= _SAMPLING_EPS]
+    # amax propagates NaN, so this one check catches NaN, all -inf and +inf rows (whose distributions go unused)
+    greedy, finite, *probs = to_host(
+        [logits.argmax(dim=-1), torch.isfinite(logits.amax(dim=-1))] + [_probs(logits[i], specs[i]) for i in sampled]
+    )
+    distributions = dict(zip(sampled, probs))
     tokens: list[int | str] = []
-    for i, spec in enumerate(specs):
-        if not finite[i]:
+    for i, (spec, token, ok) in enumerate(zip(specs, greedy.tolist(), finite.tolist())):
+        if not ok:
             tokens.append(UNSAMPLEABLE)
-        elif spec.temperature < _SAMPLING_EPS:
-            tokens.append(greedy[i])
+        elif i in distributions:
+            generator = torch.Generator(device="cpu").manual_seed((spec.seed * _SEED_STRIDE + spec.step) % (2**63))
+            tokens.append(int(torch.multinomial(distributions[i], 1, generator=generator)))
         else:
-            tokens.append(_sample_one(logits[i], spec))
+            tokens.append(token)
     return tokens
 
 
-def _sample_one(logits: torch.Tensor, spec: SamplingSpec) -> int:
-    """`logits` has a finite maximum, so the scaled row has a 0 at the top and <= 0 (or -inf) elsewhere:
-    softmax of it is a valid distribution for any temperature."""
+def _probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """The distribution a row samples from, on the logits' device. With a finite maximum the scaled
+    row has a 0 at the top and <= 0 (or -inf) elsewhere: softmax of it is a valid distribution for any temperature."""
     logits = logits.float()
     scaled = (logits - logits.max()) / min(spec.temperature, _MAX_TEMPERATURE)
     if 0 < spec.top_k < scaled.shape[-1]:
@@ -51,5 +57,4 @@ def _sample_one(logits: torch.Tensor, spec: SamplingSpec) -> int:
         drop[0] = False  # the top token always stays, even when top_p rounds to 0 in float32
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    generator = torch.Generator(device="cpu").manual_seed((spec.seed * _SEED_STRIDE + spec.step) % (2**63))
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pulseinfer.common.syncs import to_device
 from pulseinfer.kernels.scoring import lowrank_scores, quest_scores, quest_weights
 from pulseinfer.kernels.summary import block_minmax
 
@@ -107,32 +108,38 @@ def select_blocks(
     deadline cuts the least promising blocks); a row with no more host blocks than the budget takes
     them all, in order, padded with -1. The rows' scores (their block counts differ) go into one
     padded matrix: one top-k for the whole batch."""
-    groups = scorer.kv_heads if per_head else 1
     over = [r for r, n in enumerate(counts) if n > budget]
-    top = None
+    if over and len(over) == len(counts):  # the usual case in decode: no row to pad
+        return _top(scorer, layer, q, summaries, counts, budget, per_head)
+    # the rows' indices and counts from the host in one copy: a list indexing a device tensor would be a sync
+    over_at, counts_at = to_device([torch.tensor(over, dtype=torch.long), torch.tensor(counts, dtype=torch.long)], q.device)
+    chosen = torch.arange(budget, device=q.device).repeat(len(counts), scorer.kv_heads if per_head else 1, 1)
+    chosen.masked_fill_(chosen >= counts_at[:, None, None], -1)
     if over:
-        rows = scorer.scores(layer, q[over], [summaries[r].hosted(layer, counts[r]) for r in over], per_head)
-        scores = torch.full((len(over), groups, max(counts[r] for r in over)), float("-inf"), device=q.device)
-        for i, (r, row) in enumerate(zip(over, rows)):
-            scores[i, :, : counts[r]] = row
-        top = scores.topk(budget, dim=-1).indices
-        if len(over) == len(counts):
-            return top  # the usual case in decode: no row to pad
-    chosen = torch.arange(budget, device=q.device).repeat(len(counts), groups, 1)
-    chosen.masked_fill_(chosen >= torch.tensor(counts, device=q.device)[:, None, None], -1)
-    if top is not None:
-        chosen[torch.tensor(over, device=q.device)] = top
+        chosen[over_at] = _top(scorer, layer, q[over_at], [summaries[r] for r in over], [counts[r] for r in over], budget, per_head)
     return chosen
+
+
+def _top(
+    scorer: Scorer, layer: int, q: torch.Tensor, summaries: Sequence[BlockSummaries], counts: Sequence[int], budget: int, per_head: bool
+) -> torch.Tensor:
+    """select_blocks of rows that each have more than `budget` host blocks."""
+    rows = scorer.scores(layer, q, [s.hosted(layer, n) for s, n in zip(summaries, counts)], per_head)
+    scores = torch.full((len(counts), scorer.kv_heads if per_head else 1, max(counts)), float("-inf"), device=q.device)
+    for i, (count, row) in enumerate(zip(counts, rows)):
+        scores[i, :, :count] = row
+    return scores.topk(budget, dim=-1).indices
 
 
 class AttentionMass:
     """Share of the dense attention probability of each query head that falls on the positions
-    a request attends (sink, selected blocks, window): 1.0 means the selection lost nothing."""
+    a request attends (sink, selected blocks, window): 1.0 means the selection lost nothing.
+    Summed on the device; read when asked (a read per layer would wait for the device each time)."""
 
     def __init__(self) -> None:
-        self.total = 0.0
         self.count = 0
-        self.minimum = 1.0
+        self._total: torch.Tensor | None = None  # float64, on the device of the queries
+        self._minimum: torch.Tensor | None = None
 
     def add(self, q: torch.Tensor, keys: torch.Tensor, attended: torch.Tensor) -> None:
         """q: [q_heads, dim]; keys: [kv_heads, length, dim] of the whole context in position order;
@@ -141,10 +148,15 @@ class AttentionMass:
         grouped = q.float().view(heads, -1, dim)
         probs = torch.softmax(grouped @ keys.float().transpose(1, 2) / math.sqrt(dim), dim=-1)  # [kv_heads, group, length]
         share = (probs * attended.expand(heads, length)[:, None, :]).sum(dim=-1)
-        self.total += share.sum().item()
+        total, minimum = share.sum().double(), share.min()
+        self._total = total if self._total is None else self._total + total
+        self._minimum = minimum if self._minimum is None else torch.minimum(self._minimum, minimum)
         self.count += share.numel()
-        self.minimum = min(self.minimum, share.min().item())
 
     @property
     def mean(self) -> float | None:
-        return self.total / self.count if self.count else None
+        return self._total.item() / self.count if self.count else None
+
+    @property
+    def minimum(self) -> float:
+        return min(1.0, self._minimum.item()) if self.count else 1.0

@@ -116,7 +116,9 @@ class Decoder:
         self.layers = [self._layer(f"model.layers.{i}.", w, norm) for i in range(config.num_layers)]
         # the kernels scale scores by head_dim ** -0.5; a family scaling otherwise scales q by the rest
         self.query_scale = config.attention_scale * math.sqrt(config.head_dim)
-        self.frequencies = [inverse_frequencies(rope, config.head_dim) for rope in (config.rope, config.local_rope or config.rope)]
+        # on the device once: a copy from pageable memory at every rotary() would be a host sync
+        ropes = (config.rope, config.local_rope or config.rope)
+        self.frequencies = [(inv_freq.to(device), scale) for inv_freq, scale in (inverse_frequencies(r, config.head_dim) for r in ropes)]
 
     def _layer(self, prefix: str, w: Callable[[str], torch.Tensor], norm: Callable[[str], torch.Tensor]) -> LayerWeights:
         c = self.config
@@ -153,7 +155,7 @@ class Decoder:
         """cos/sin of the positions for full and for sliding layers, computed as transformers does (fp32)."""
         tables = []
         for inv_freq, scale in self.frequencies:
-            freqs = torch.outer(positions.float(), inv_freq.to(positions.device))
+            freqs = torch.outer(positions.float(), inv_freq)
             emb = torch.cat([freqs, freqs], dim=-1)
             tables.append((emb.cos() * scale, emb.sin() * scale))
         return tables[0], tables[1]

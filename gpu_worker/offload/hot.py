@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pulseinfer.common.syncs import to_device
 from pulseinfer.gpu_worker.offload.config import OffloadGeometry
 
 
@@ -37,9 +38,11 @@ class HotBuffers:
             self.held, self.stamps, self.devices = grown
             self.free = list(range(have + grow - 1, have - 1, -1))
         row, hot = self.free.pop(), footprint[self.hot_start :]
+        # unused blocks: older than any selection, in footprint order; the spare column: a block of the row's own
+        stamps, devices = to_device([torch.arange(-self.capacity - 1, 0), torch.tensor((*hot, hot[0]))], self.held.device)
         self.held[row] = -1
-        self.stamps[row] = torch.arange(-self.capacity - 1, 0)  # unused blocks: older than any selection, in footprint order
-        self.devices[row] = torch.tensor((*hot, hot[0]))  # the spare column: a block of the row's own
+        self.stamps[row] = stamps
+        self.devices[row] = devices
         return row
 
     def remove(self, row: int) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pulseinfer.common.syncs import to_device
 from pulseinfer.gpu_worker.batch import DecodePhase, ForwardBatch, PrefillSpan
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.config import OffloadGeometry, RecallPolicy
@@ -54,9 +55,9 @@ class OffloadStep:
         self.decode_rows = {s.seq_id: batch.decode_seq_ids.index(s.seq_id) for s in seqs if s.seq_id in batch.decode_seq_ids}
         self.offloaded_rows = list(self.decode_rows.values())  # the order their tables are built in
         resident = [row for row in range(len(batch.decode_seq_ids)) if row not in self.offloaded_rows]
-        rows_on = batch.input_ids.device
-        self.resident_rows = torch.tensor(resident, dtype=torch.long, device=rows_on) if resident else None
-        decode_index = torch.tensor(self.offloaded_rows, dtype=torch.long, device=rows_on)
+        rows = [torch.tensor(resident, dtype=torch.long), torch.tensor(self.offloaded_rows, dtype=torch.long)]
+        resident_rows, decode_index = to_device(rows, batch.input_ids.device)
+        self.resident_rows = resident_rows if resident else None
         self.offloaded_index = decode_index if resident else None  # None when they are the whole batch (no indexing then)
         self.by_id = {s.seq_id: s for s in seqs}
         self.writes = StepWrites(seqs, chunks, batch, ctx.geometry)
@@ -124,14 +125,16 @@ class OffloadStep:
             return
         self.ctx.counters.add(suspended_rows=len(waiting))
         ready = [i for i, row in enumerate(self.offloaded_rows) if row not in waiting]
-        if ready:
-            yield DecodePhase(self._rows(ready, q.device), tables[ready], lens[ready])
         later = [i for i, row in enumerate(self.offloaded_rows) if row in waiting]
+        ready_at, later_at, ready_rows, later_rows = self._index([ready, later], q.device)
+        if ready:
+            yield DecodePhase(ready_rows, tables[ready_at], lens[ready_at])
         if policy.cursors and (ready or self.resident_rows is not None or batch.prefills):
-            yield DecodePhase(self._rows(later, q.device), tables[later], lens[later], suspended=True)
+            suspended = tuple(self.offloaded_rows[i] for i in later)
+            yield DecodePhase(later_rows, tables[later_at], lens[later_at], suspended_rows=suspended)
             return
         self.land(layer)
-        yield DecodePhase(self._rows(later, q.device), tables[later], lens[later])
+        yield DecodePhase(later_rows, tables[later_at], lens[later_at])
 
     def _resident_phase(self, batch: ForwardBatch) -> Iterator[DecodePhase]:
         if self.resident_rows is not None:
@@ -147,9 +150,10 @@ class OffloadStep:
         """Waits (counted) until the layer's recalls in flight have landed."""
         self.queue.settle(layer, None)
 
-    def _rows(self, positions: list[int], device: torch.device) -> torch.Tensor:
-        """Decode rows of these positions among the offloaded rows."""
-        return torch.tensor([self.offloaded_rows[i] for i in positions], dtype=torch.long, device=device)
+    def _index(self, groups: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+        """Each group of positions among the offloaded rows, then their decode rows, on the device in one copy."""
+        rows = [[self.offloaded_rows[i] for i in positions] for positions in groups]
+        return to_device([torch.tensor(values, dtype=torch.long) for values in groups + rows], device)
 
     def _tables(
         self, layer: int, q: torch.Tensor, selection: Selection, in_flight: set[tuple[str, int, int]]
@@ -159,8 +163,8 @@ class OffloadStep:
         ctx = self.ctx
         if layer == 0 and self.root:
             ctx.counters.decoded_rows += len(self.decode_rows)
-        chosen = selection.chosen
-        landed = chosen >= 0
+        chosen = selection.host  # what the host knows of the selection: no device read
+        landed, late = chosen >= 0, None
         if in_flight:
             late = landed & self.selector.units_in(chosen, in_flight)
             landed &= ~late
@@ -169,7 +173,7 @@ class OffloadStep:
             sink = ctx.geometry.sink_blocks
             for i, (seq, row) in enumerate(zip(self.selector.seqs, self.offloaded_rows)):
                 self._measure(layer, q[row], seq, [(c[a] + sink).tolist() for c, a in zip(chosen[i], landed[i])])
-        return self.selector.tables(selection, landed)
+        return self.selector.tables(selection, late)
 
     def _recall_all(self, layer: int, q: torch.Tensor) -> Selection:
         """Every selected block lands before attention: the layer-ahead recall first (the true

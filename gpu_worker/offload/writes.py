@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from pulseinfer.common.syncs import to_device
 from pulseinfer.gpu_worker.batch import ForwardBatch
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.config import OffloadGeometry
@@ -45,14 +46,14 @@ class StepWrites:
                     host_ids.append(seq.host_blocks[j - g.sink_blocks])
             if len(host_ids) > hosted:  # the chunk's newly full host blocks are consecutive: one summary write
                 summary_runs.append((seq, max(start // B, g.sink_blocks) - g.sink_blocks, hosted, len(host_ids) - hosted))
-        device = batch.input_ids.device
 
         def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
+            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
-        self.dev_slots, self.dev_tokens = cat(dev_slots), cat(dev_tokens)
-        self.prefix_buf, self.prefix_slots = cat(prefix_buf), cat(prefix_slots)
-        self.host_buf, self.host_tokens = cat(host_buf), cat(host_tokens)
+        indices = [cat(parts) for parts in (dev_slots, dev_tokens, prefix_buf, prefix_slots, host_buf, host_tokens)]
+        self.dev_slots, self.dev_tokens, self.prefix_buf, self.prefix_slots, self.host_buf, self.host_tokens = to_device(
+            indices, batch.input_ids.device
+        )
         self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
         self.summary_runs = summary_runs  # (request, first summary slot, first host_ids row, count)
 

@@ -1,0 +1,351 @@
+"""Host syncs of a decode step, counted on the CPU.
+
+On CUDA a host read of device memory stalls the CPU until the GPU drains, so it cannot queue the
+next layer ahead; pulseinfer.common.syncs.count_host_syncs counts them there (the GPU check does,
+and the `gpu` tests here). The CPU has no device to wait for, so the other tests count what would
+be syncs: a TorchFunctionMode follows which tensors would live on the device (made with a
+`device=` argument, moved with `.to(device)`, or computed from such a tensor) and counts, at the
+innermost frame of the package's code (gpu_worker/'s are asserted on), every op that on CUDA would
+read such a tensor on the host (`.tolist()`, `.item()`, `int()`, `bool()`, `.cpu()`, `nonzero`, a
+boolean mask, a host index or value, `unique`, ...), copy host memory to the device blocking
+(`torch.tensor(..., device=)`, `.to(device)` without non_blocking), or mix host and device tensors
+(an error on CUDA). A decode step may read the device once outside sampling (DESIGN.md section 6),
+and once per selection: its recall lists are made on the host (see RowSelector.select).
+
+What the proxy misses: ops of the I/O thread (the mode is per thread; they do not stall the
+compute thread), code paths taken on CUDA only (the Triton kernels' wrappers, the pinned pool's
+copies, stream and event waits such as OffloadManager.name_blocks'), syncs inside torch's CUDA ops
+that leave no trace on the host (a cuBLAS workspace allocation, the caching allocator freeing
+memory), and a tensor made without `device=` that CUDA code would still place on the device (the
+step makes its host tensors without one). `.to(x)` of a device tensor is taken for a move between
+devices, never a read (on the CPU the device and the host are one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+import pulseinfer.gpu_worker
+from pulseinfer.common import syncs as syncs_module
+from pulseinfer.common.model.meta import GEOMETRIES, ModelLoadError
+from pulseinfer.common.syncs import count_host_syncs, to_device, to_host
+from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_check import TOKENIZER_ENV, copy_tokenizer, materialized, tiny
+from pulseinfer.gpu_worker.batch import build_batch
+from pulseinfer.gpu_worker.model.loader import load_model
+from pulseinfer.gpu_worker.offload.config import OffloadConfig
+from pulseinfer.gpu_worker.offload.selection import RowSelector
+from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.scheduler.batcher import BatcherConfig
+from pulseinfer.scheduler.plan import Chunk, SamplingSpec, StepPlan
+from pulseinfer.scheduler.request import SamplingParams
+
+ROOT = Path(pulseinfer.gpu_worker.__file__).parent.parent  # the package's source: gpu_worker/, kernels/, ...
+SYNCS = Path(syncs_module.__file__)
+T = torch.Tensor
+READS = {T.tolist, T.item, T.__int__, T.__float__, T.__bool__, T.__index__, T.__complex__, T.numpy, T.cpu, T.__contains__}
+READS |= {T.__repr__, T.__format__, T.__array__}
+SHAPED_BY_DATA = {torch.nonzero, T.nonzero, torch.argwhere, T.argwhere, torch.masked_select, T.masked_select, torch.unique}
+SHAPED_BY_DATA |= {T.unique, torch.unique_consecutive, T.unique_consecutive, torch.bincount, T.bincount, torch.equal, T.equal}
+INDEXING = {T.__getitem__, T.__setitem__, T.index_put_, T.index_put, torch.index_put}
+HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+MOVES = {T.to, T.cuda, T.cpu, torch.as_tensor}  # on the CPU these may return their input itself
+
+
+class DeviceTracker(TorchFunctionMode):
+    """Marks the tensors that would be on the device and, while `counting`, counts the would-be
+    syncs by (kind, site): the site is the innermost frame of the package's code; a sync inside
+    common/syncs.py (its one transfer) is counted as `to_host` at its caller's site."""
+
+    def __init__(self):
+        super().__init__()
+        self.counting = False
+        self.syncs: Counter[tuple[str, str]] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if self.counting and (kind := _sync(func, args, kwargs, tensors)):
+            self.syncs[_site(kind)] += 1
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.startswith("__"):
+            return out  # in place: the tensor stays where it is
+        on_device = func not in READS and func is not T.pin_memory and (_names_device(func, args, kwargs) or any(map(_on_device, tensors)))
+        if func in MOVES and out is args[0] and _on_device(out) != on_device:
+            out = out.clone()  # moved between the host and the device: a new tensor there
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor) and on_device:
+                value._on_device = True
+        return out
+
+
+def _on_device(value) -> bool:
+    return isinstance(value, torch.Tensor) and getattr(value, "_on_device", False)
+
+
+def _host(value) -> bool:
+    """A host tensor with elements (a 0-d one is a scalar, which CUDA ops take from the host)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and not _on_device(value)
+
+
+def _names_device(func, args, kwargs) -> bool:
+    """`torch.empty(..., device=d)`, `torch.tensor(..., device=d)`, `t.to(d)`: the result is on the device."""
+    moves = func in (T.to, T.cuda) and (func is T.cuda or any(isinstance(a, (torch.device, str)) for a in args[1:]))
+    return moves or kwargs.get("device") is not None
+
+
+def _sync(func, args, kwargs, tensors: list[torch.Tensor]) -> str | None:
+    """What kind of host sync the call would be on CUDA, if any."""
+    device = any(map(_on_device, tensors))
+    if func in READS:
+        return "read" if _on_device(args[0]) else None
+    if func in SHAPED_BY_DATA or (func is torch.where and len(args) == 1):
+        return "shape from data" if device else None
+    if func in (torch.repeat_interleave, T.repeat_interleave):
+        return "shape from data" if device and isinstance(args[1], torch.Tensor) and "output_size" not in kwargs else None
+    if func in HOST_DATA or func in (T.to, T.cuda):
+        copies = _names_device(func, args, kwargs) and not _on_device(args[0])
+        return "pageable copy" if copies and not kwargs.get("non_blocking") else None
+    if func is T.copy_:
+        crossing = _on_device(args[0]) != _on_device(args[1]) and args[1].dim() > 0
+        return "pageable copy" if crossing and not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking") else None
+    if func in INDEXING:
+        return _indexing(args)
+    return "mixed devices" if device and any(map(_host, tensors)) else None  # an error on CUDA
+
+
+def _indexing(args) -> str | None:
+    """Indexing with a boolean mask, with host indices into a device tensor (or the reverse), or
+    setting host values into a device tensor: each reads or copies across on CUDA."""
+    target, index = args[0], args[1]
+    indices = list(index) if isinstance(index, tuple) else [index]
+    tensors = [i for i in indices if isinstance(i, torch.Tensor)]
+    if any(i.dtype == torch.bool and (_on_device(target) or _on_device(i)) for i in tensors):
+        return "boolean mask"
+    if _on_device(target) and (any(map(_host, tensors)) or any(isinstance(i, list) for i in indices)):
+        return "host index"
+    if not _on_device(target) and any(map(_on_device, tensors)):
+        return "device index"
+    value = args[2] if len(args) > 2 else None
+    if _on_device(target) and _host(value) or not _on_device(target) and _on_device(value):
+        return "host value"
+    return None
+
+
+def _site(kind: str) -> tuple[str, str]:
+    """(kind, file:function of the innermost frame of the package's code outside common/syncs.py)."""
+    frame, transfer = sys._getframe(2), False
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if path == SYNCS:
+            transfer = True
+        elif path.is_relative_to(ROOT) and not path.is_relative_to(ROOT / "tests") and ".venv" not in path.parts:
+            return ("to_host" if transfer else kind, f"{path.relative_to(ROOT)}:{frame.f_code.co_name}")
+        frame = frame.f_back
+    return kind, "elsewhere"
+
+
+@pytest.fixture
+def tracker():
+    mode = DeviceTracker()
+    with mode:
+        yield mode
+
+
+def _geometry(folder: Path, name: str, layers: int) -> Path:
+    """A shipped geometry shrunk (the GPU check's tiny one, a small vocabulary) to `layers` layers,
+    for --load-format dummy, with the GPU check's tokenizer or else the default model's."""
+    config = tiny(json.loads((GEOMETRIES / name / "config.json").read_text())) | {"vocab_size": 512, "num_hidden_layers": layers}
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer = os.environ.get(TOKENIZER_ENV)
+    copy_tokenizer(Path(tokenizer) if tokenizer else None, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """Each geometry with 2 and with 4 layers (Gemma 3's: half of them sliding), each weight made once."""
+    models = {}
+    for name, geometry in GEOMETRY.items():
+        for layers in (2, 4):
+            try:
+                path = _geometry(tmp_path_factory.mktemp(f"{geometry}-{layers}"), geometry, layers)
+            except ModelLoadError as e:
+                pytest.skip(f"no tokenizer for the dummy geometry: {e}")
+            models[(name, layers)] = materialized(load_model(path, "dummy"))
+    return models
+
+
+GEOMETRY = {"qwen3": "qwen3-0.6b", "gemma3": "gemma-3-4b"}
+CONFIGS = {
+    "dense": ("qwen3", dict(mode="dense")),
+    # the layer-ahead prediction selects too; rows whose recalls are in flight leave as cohorts
+    "pulse": ("qwen3", dict(mode="pulse", layer_ahead="on", suspend="cursor")),
+    "headwise": ("qwen3", dict(mode="headwise", layer_ahead="off")),
+    "pulse-sliding": ("gemma3", dict(mode="pulse", layer_ahead="off")),
+}
+SAMPLER, SELECTION = "gpu_worker/sampler.py:sample", "gpu_worker/offload/selection.py:select"
+Counted = Callable[[], AbstractContextManager[Callable[[], Counter]]]  # counts a step's syncs: by (kind, site) once it ends
+
+
+def _decode_steps(counted: Counted, loaded, device: str, mode: str, **offload) -> list[tuple[Counter, int]]:
+    """Runs three requests to the end: per decode step, its syncs as `counted` counts them, and how
+    many selections it made."""
+    worker = WorkerConfig(
+        mode=mode,
+        device=device,
+        block_size=8,
+        device_kv_tokens=2048,
+        offload=OffloadConfig(sink=8, recent=16, budget=16, scorer="quest", **offload),
+    )
+    batcher = BatcherConfig(offload="never" if mode == "dense" else "always")
+    engine = Engine(EngineConfig(worker=worker, batcher=batcher, host_kv_tokens=4096), loaded=loaded)
+    steps, select, execute = [], RowSelector.select, engine.runner.execute
+    selections = Counter()
+
+    def counted_select(self, *args):
+        selections["now"] += 1
+        return select(self, *args)
+
+    def counted_execute(plan, pick=None):
+        if not plan.chunks or any(len(c.token_ids) > 1 for c in plan.chunks):
+            return execute(plan, pick)
+        selections.clear()
+        with counted() as syncs:
+            outcome = execute(plan, pick)
+        steps.append((syncs(), selections["now"]))
+        return outcome
+
+    engine.runner.execute, RowSelector.select = counted_execute, counted_select
+    try:
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (60, 90, 75)]
+        engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    finally:
+        RowSelector.select = select
+        engine.runner.close()
+    return steps
+
+
+def _tracked(tracker: DeviceTracker) -> Counted:
+    """The tracker's count of what gpu_worker/ does (kernels/ and kv_store/ run their CPU paths here)."""
+
+    @contextmanager
+    def counted():
+        tracker.syncs.clear()
+        tracker.counting = True
+        try:
+            yield lambda: Counter({key: n for key, n in tracker.syncs.items() if key[1].startswith("gpu_worker/")})
+        finally:
+            tracker.counting = False
+
+    return counted
+
+
+def _at(step: Counter, site: str) -> int:
+    return sum(n for (_, at), n in step.items() if at == site)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_decode_step_syncs_a_number_of_times_independent_of_its_layers(tracker, tiny_models, name):
+    """One transfer in the sampler, one per selection, and at most one elsewhere (DESIGN.md
+    section 6); what is not selection the same with 2 layers and with 4."""
+    geometry, config = CONFIGS[name]
+    runs = {layers: _decode_steps(_tracked(tracker), tiny_models[(geometry, layers)], "cpu", **config) for layers in (2, 4)}
+    report = {
+        layers: [({f"{kind} {site}": n for (kind, site), n in syncs.items()}, selected) for syncs, selected in steps]
+        for layers, steps in runs.items()
+    }
+    for steps in runs.values():
+        assert steps, "no decode step ran"
+        for syncs, selected in steps:
+            assert syncs[("to_host", SAMPLER)] == _at(syncs, SAMPLER) == 1, report
+            assert syncs[("to_host", SELECTION)] == _at(syncs, SELECTION) == selected, report
+            assert sum(syncs.values()) - _at(syncs, SAMPLER) - _at(syncs, SELECTION) <= 1, report
+    outside_selection = {layers: [sum(syncs.values()) - _at(syncs, SELECTION) for syncs, _ in steps] for layers, steps in runs.items()}
+    assert outside_selection[2] == outside_selection[4], report
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_decode_step_on_cuda_syncs_as_few_times_as_counted_on_the_cpu(tiny_models, name):
+    """What CUDA reports (count_host_syncs, the compute thread's): per decode step at most one sync
+    besides the sampler's and the selections', with 2 layers and with 4."""
+
+    @contextmanager
+    def counted():
+        with count_host_syncs() as syncs:
+            yield lambda: Counter({("sync", "step"): syncs.count})
+
+    geometry, config = CONFIGS[name]
+    runs = {layers: _decode_steps(counted, tiny_models[(geometry, layers)], "cuda", **config) for layers in (2, 4)}
+    for steps in runs.values():
+        assert steps, "no decode step ran"
+        assert all(syncs[("sync", "step")] <= 1 + selected + 1 for syncs, selected in steps), runs
+
+
+def test_to_device_and_to_host_move_any_tensors_in_one_buffer():
+    parts = [torch.arange(5), torch.tensor([True, False, True]), torch.randn(2, 3), torch.tensor(7), torch.empty(0, 4, dtype=torch.long)]
+    parts += [torch.arange(6).view(2, 3).T, torch.tensor([1, 2], dtype=torch.int32)]
+    for moved in (to_host(parts), to_device(parts, torch.device("cpu"))):
+        assert [(t.dtype, t.shape) for t in moved] == [(t.dtype, t.shape) for t in parts]
+        assert all(torch.equal(a, b) for a, b in zip(moved, parts))
+        assert moved[0].untyped_storage().data_ptr() == moved[-1].untyped_storage().data_ptr()  # one buffer, one copy
+        assert all(a.data_ptr() != b.data_ptr() for a, b in zip(moved, parts) if a.numel())  # new tensors
+    assert to_host([]) == [] and to_device([], torch.device("cpu")) == []
+    with pytest.raises(ValueError, match="cannot pack"):
+        to_host([torch.zeros(2, dtype=torch.complex128)])
+    with count_host_syncs() as syncs:
+        to_host(parts)
+    assert syncs.count == 0  # host tensors: nothing to wait for (and without CUDA nothing is counted)
+
+
+@pytest.mark.gpu
+def test_count_host_syncs_counts_what_cuda_reports():
+    """A pinned copy in syncs none, one transfer out of several tensors syncs once, a read once more;
+    the debug mode is restored after."""
+    values = torch.arange(10)
+    with count_host_syncs() as syncs:
+        on_device = to_device([values, values > 4], torch.device("cuda"))
+        copied = syncs.count
+        back = to_host(on_device)
+        read = syncs.count
+        int(on_device[0].sum())
+    assert (copied, read, syncs.count) == (0, 1, 2)
+    assert torch.equal(back[0], values) and torch.equal(back[1], values > 4)
+    assert torch.cuda.get_sync_debug_mode() == 0
+
+
+def test_a_cohort_is_cut_from_the_batch_without_reading_the_device(tracker):
+    """ForwardBatch.subset (rows suspended at a layer, and the rows going on) from the host copies of its indices."""
+    spec = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=0, step=0)
+    chunks = (
+        Chunk("a", (5,), 20, tuple(range(0, 3)), spec),
+        Chunk("p", tuple(range(10, 17)), 0, (3,), spec),
+        Chunk("b", (6,), 9, (4, 5), spec),
+        Chunk("c", (7,), 30, (6, 7, 8, 9), spec),
+    )
+    batch = build_batch(StepPlan(0, chunks), 8, torch.device("cpu"))
+    tracker.syncs.clear()
+    tracker.counting = True
+    try:
+        suspended, kept = batch.subset([2, 0], prefills=False)
+        going_on, _ = batch.subset([1], prefills=True)
+    finally:
+        tracker.counting = False
+    assert not tracker.syncs, tracker.syncs
+    assert kept.tolist() == [0, 9] and suspended.decode_index.tolist() == [1, 0]  # its rows in the order given
+    assert suspended.decode_seq_ids == ("c", "a") and suspended.decode_ctx_lens.tolist() == [31, 21]
+    assert going_on.input_ids.tolist() == [*range(10, 17), 6] and going_on.decode_index.tolist() == [7]
