@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from pulseinfer.gpu_worker.attention.base import StepAttention, Suspension
 from pulseinfer.gpu_worker.batch import ForwardBatch
 from pulseinfer.gpu_worker.model.base import DecoderModel
+from pulseinfer.kernels.prefill_triton import prefill_attention_triton
 
 # (layer, q [T, heads, dim], keys [length, kv_heads, dim]) -> allowed [T, length], or None: causal
 Mask = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None]
@@ -102,16 +103,15 @@ def dense_forward(
         if prefix:
             k, v = torch.cat([prefix[index][0], k]), torch.cat([prefix[index][1], v])
         kv.append((k, v))
-        allowed = (
-            mask(index, q, k)
-            if mask is not None
-            else _window_mask(model.config.sliding_window, len(ids), q.device)
-            if model.config.sliding(index)
-            else None
-        )
-        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(*heads_first, attn_mask=allowed, is_causal=allowed is None, enable_gqa=True)
-        hidden = model.attention_output(index, hidden, out.squeeze(0).transpose(0, 1))
+        window = model.config.sliding_window if model.config.sliding(index) else 0
+        if q.is_cuda and mask is None:  # no prefix: the kernel, never a score matrix
+            out = prefill_attention_triton(q, k, v, len(ids), window)
+        else:
+            allowed = mask(index, q, k) if mask is not None else _window_mask(window, len(ids), q.device) if window else None
+            heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+            attended = F.scaled_dot_product_attention(*heads_first, attn_mask=allowed, is_causal=allowed is None, enable_gqa=True)
+            out = attended.squeeze(0).transpose(0, 1)
+        hidden = model.attention_output(index, hidden, out)
         hidden = model.feed_forward(index, hidden)
     return hidden, kv
 

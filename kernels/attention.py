@@ -13,11 +13,13 @@ import torch.nn.functional as F
 
 
 class GatherWorkspace:
-    """Grow-only K and V buffers for gathered context blocks."""
+    """Grow-only buffers of every layer's attention: K and V of gathered context blocks (the torch
+    path), and the fp32 split partials of the Triton decode (kernels/decode_triton.py)."""
 
     def __init__(self) -> None:
         self._k = torch.empty(0)
         self._v = torch.empty(0)
+        self._partials = torch.empty(0)
 
     def buffers(self, rows: int, row_size: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = rows * row_size
@@ -25,6 +27,11 @@ class GatherWorkspace:
             self._k = torch.empty(need, dtype=like.dtype, device=like.device)
             self._v = torch.empty(need, dtype=like.dtype, device=like.device)
         return self._k[:need].view(rows, row_size), self._v[:need].view(rows, row_size)
+
+    def partials(self, numel: int, device: torch.device) -> torch.Tensor:
+        if self._partials.numel() < numel or self._partials.device != device:
+            self._partials = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._partials[:numel]
 
 
 def gather_blocks(
@@ -97,15 +104,17 @@ def paged_prefill_attention(
     return prefill_attention(q, k, v, ctx_len)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
-    """Causal attention of n queries at positions ctx_len-n .. ctx_len-1 over k, v [>= ctx_len, kv_heads, dim]."""
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int = 0) -> torch.Tensor:
+    """Causal attention of n queries at positions ctx_len-n .. ctx_len-1 over k, v [>= ctx_len, kv_heads, dim],
+    each seeing the last `window` positions (itself included) when window > 0."""
     n = q.shape[0]
-    if n > ctx_len or k.shape[0] < ctx_len:
-        raise ValueError(f"prefill attention: {n} queries, {ctx_len} context positions, {k.shape[0]} keys")
+    if n > ctx_len or k.shape[0] < ctx_len or window < 0:
+        raise ValueError(f"prefill attention: {n} queries, {ctx_len} context positions, {k.shape[0]} keys, window {window}")
     k, v = k[:ctx_len].transpose(0, 1).unsqueeze(0), v[:ctx_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, dim]
     query_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)
-    causal = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=causal, enable_gqa=True)
+    offset = query_pos[:, None] - torch.arange(ctx_len, device=q.device)[None, :]
+    allowed = (offset >= 0) & (offset < window) if window else offset >= 0
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=allowed, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 
 

@@ -13,9 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from pulseinfer.common.model.meta import ModelLoadError, hf_dir_config
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.attention import paged, window
 from pulseinfer.gpu_worker.model.loader import load_model
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.kernels.decode_triton import paged_decode_attention_triton
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.request import SamplingParams
 
@@ -140,6 +142,14 @@ def test_prefill_and_batched_decode_logits_match_transformers(family, model, tok
         with torch.inference_mode():
             ref = hf(torch.tensor([text])).logits[0, len(text) - FORCED - 1 : len(text) - 1]
         torch.testing.assert_close(torch.stack(ours[i]), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_decode_kernel_in_the_forward_matches_transformers(model, tokenizer_dir, tmp_path, monkeypatch):
+    """The Triton decode kernel (the interpreter's, on the CPU) where CUDA dispatches it, with the
+    same arguments: Mistral's sliding layers over their rings (a window of 48, crossed)."""
+    for module in (paged, window):
+        monkeypatch.setattr(module, "decode_attention", paged_decode_attention_triton)
+    test_prefill_and_batched_decode_logits_match_transformers("mistral", model, tokenizer_dir, tmp_path)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from pulseinfer.kernels.attention import GatherWorkspace, paged_decode_attention  # noqa: E402
-from pulseinfer.kernels.decode_triton import paged_decode_attention_triton  # noqa: E402
+from pulseinfer.kernels.decode_triton import MAX_SPLITS, MIN_SPLIT, WAVES, num_splits, paged_decode_attention_triton  # noqa: E402
 from pulseinfer.kernels.gather_scatter import recall, recall_ref, recall_triton  # noqa: E402
 from pulseinfer.kernels.scoring import quest_scores, quest_scores_ref, quest_scores_triton, quest_weights  # noqa: E402
 from pulseinfer.kernels.summary import block_minmax, block_minmax_ref, block_minmax_triton  # noqa: E402
@@ -81,14 +81,17 @@ def _decode_case(dtype: torch.dtype, per_head: bool):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_head", [False, True])
 def test_paged_decode_attention(dtype, per_head):
+    """One split writes the output itself; three: partials combined (the third of the first row
+    and the last two of the third are empty). Shared [b, n] and per-head [b, kv_heads, n] tables."""
     q, k_cache, v_cache, tables, lens = _decode_case(dtype, per_head)
     ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, B, GatherWorkspace())
-    kernel_tables = tables if per_head else tables[:, None, :].expand(-1, H, -1)
-    ours = paged_decode_attention_triton(q, k_cache, v_cache, kernel_tables, lens, B)
-    assert ours.dtype == dtype
-    torch.testing.assert_close(ours.float(), ref, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    workspace = GatherWorkspace()  # one for both calls: partials are a grow-only buffer
+    for splits in (1, 3):
+        ours = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, B, workspace, splits=splits)
+        assert ours.dtype == dtype
+        torch.testing.assert_close(ours.float(), ref, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     if per_head:  # each head really reads its own blocks: the same tables for every head give another answer
-        shared = paged_decode_attention_triton(q, k_cache, v_cache, tables[:, :1].expand(-1, H, -1).contiguous(), lens, B)
+        shared = paged_decode_attention_triton(q, k_cache, v_cache, tables[:, 0], lens, B, workspace, splits=3)
         assert not torch.allclose(shared[:, HQ // H :].float(), ours[:, HQ // H :].float(), atol=TOLERANCE[dtype])
 
 
@@ -101,9 +104,92 @@ def test_paged_decode_attention_geometries(block, heads, q_heads, dim):
     tables = torch.randint(0, 6, (3, heads, 4), generator=torch.Generator().manual_seed(16)).to(DEVICE)
     lens = torch.tensor([4 * block + 3, 2 * block + 1, 0], device=DEVICE)
     ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, GatherWorkspace())
-    ours = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, block)
+    ours = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, block, GatherWorkspace(), splits=2)
     torch.testing.assert_close(ours[:2], ref[:2], rtol=1e-5, atol=1e-5)
     assert torch.equal(ours[2], torch.zeros_like(ours[2]))
+
+
+# (q heads, kv heads, head dim, sliding window): attention shapes of the models served
+GEOMETRIES = {
+    "gemma3-4b": (8, 4, 256, 1024),
+    "mistral-7b": (32, 8, 128, 4096),
+    "qwen3-14b": (40, 8, 128, 0),  # a group of 5: not a power of two
+    "smollm2-135m": (9, 3, 64, 0),
+    "gemma3-270m": (4, 1, 256, 512),
+}
+
+
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_decode_attention_at_model_geometries(name):
+    """bf16 at each geometry, per-head tables, two splits; a windowed one reads a table as wide as
+    its ring (window / block_size blocks), as its sliding layers do, but short rows: the
+    interpreter is slow, and the kernel's tiles do not depend on the context."""
+    q_heads, heads, dim, window = GEOMETRIES[name]
+    width = window // B or 6
+    k_cache, v_cache = (_randn(2 * width * B, heads, dim, dtype=torch.bfloat16, seed=s) for s in (20, 21))
+    q = _randn(2, q_heads, dim, dtype=torch.bfloat16, seed=22)
+    tables = torch.randint(0, 2 * width, (2, heads, width), generator=torch.Generator().manual_seed(23)).to(DEVICE)
+    lens = torch.tensor([3 * B + 5, B - 1], device=DEVICE)
+    ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, B, GatherWorkspace())
+    ours = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, B, GatherWorkspace(), splits=2)
+    torch.testing.assert_close(ours.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_decode_attention_over_a_ring():
+    """A sliding layer's ring as its decode reads it (gpu_worker/attention/window.py): position p of
+    a request in slot p % window of its ring, a ring of ceil(window / block_size) whole blocks (the
+    last one partial here: 24 does not divide 512) read as a shared table, masked by slot <
+    min(p + 1, window). Against attention over the last `window` positions of the sequence itself:
+    one request's ring has wrapped, one has not, at Gemma 3 270M's geometry and window."""
+    q_heads, heads, dim, window = GEOMETRIES["gemma3-270m"]
+    block = 24
+    ring_blocks = -(-window // block)
+    k_seq, v_seq = _randn(window + 37, heads, dim, seed=24), _randn(window + 37, heads, dim, seed=25)
+    k_rings, v_rings = (torch.zeros(3 * ring_blocks * block, heads, dim, device=DEVICE) for _ in range(2))
+    q = _randn(2, q_heads, dim, seed=26)
+    rows = ((2, window + 36), (0, 100))  # each request's ring and its latest position
+    for ring, last in rows:
+        positions = torch.arange(max(0, last + 1 - window), last + 1, device=DEVICE)  # those the ring still holds
+        for ring_cache, seq in ((k_rings, k_seq), (v_rings, v_seq)):
+            ring_cache[ring * ring_blocks * block + positions % window] = seq[positions]
+    tables = torch.tensor([ring for ring, _ in rows], device=DEVICE)[:, None] * ring_blocks + torch.arange(ring_blocks, device=DEVICE)
+    lens = torch.tensor([min(last + 1, window) for _, last in rows], device=DEVICE)
+    ours = paged_decode_attention_triton(q, k_rings, v_rings, tables, lens, block, GatherWorkspace(), splits=3)
+    ring_ref = paged_decode_attention(q, k_rings, v_rings, tables, lens, block, GatherWorkspace())
+    for i, (_, last) in enumerate(rows):
+        first = max(0, last + 1 - window)
+        keys, values = (seq[first : last + 1].transpose(0, 1) for seq in (k_seq, v_seq))  # [kv_heads, n, dim]
+        grouped = q[i].view(heads, q_heads // heads, dim)
+        expected = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values).reshape(q_heads, dim)
+        torch.testing.assert_close(ours[i], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ring_ref[i], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_over_a_long_context():
+    """A context of 2053 positions (a partial last block) in the splits chosen without splits=
+    (on the CPU: as for one SM), combined."""
+    q_heads, heads, dim, _ = GEOMETRIES["gemma3-270m"]
+    blocks = 2053 // B + 1
+    k_cache, v_cache = _randn(blocks * B, heads, dim, seed=27), _randn(blocks * B, heads, dim, seed=28)
+    q = _randn(1, q_heads, dim, seed=29)
+    tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(30))[None].to(DEVICE)
+    lens = torch.tensor([2053], device=DEVICE)
+    assert num_splits(heads, blocks * B, sm_count=1) == 4
+    ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, B, GatherWorkspace())
+    ours = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, B, GatherWorkspace())
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_num_splits_fill_the_device_within_bounds():
+    h100 = 132
+    assert num_splits(1 * 8, 32768, h100) == MAX_SPLITS  # one long request: as many as allowed
+    assert num_splits(1 * 8, 1024, h100) == 1024 // MIN_SPLIT  # no split shorter than MIN_SPLIT
+    assert num_splits(8 * 8, 4096, h100) == -(-WAVES * h100 // 64)  # enough programs for the SMs, no more
+    assert num_splits(256 * 8, 4096, h100) == 1  # a large batch fills the device by itself
+    assert num_splits(8, 100, h100) == 1  # a context too short to split
+    for programs, ctx in ((1, 10**6), (3, 5000), (40, 2000), (5000, 10**5)):
+        splits = num_splits(programs, ctx, h100)
+        assert 1 <= splits <= MAX_SPLITS and (splits == 1 or ctx // splits >= MIN_SPLIT)
 
 
 def _recall_case(dtype: torch.dtype, block: int = B, dim: int = D):
@@ -164,12 +250,13 @@ def test_shape_errors_are_clear():
         quest_weights(_randn(HQ, D), 4)  # 9 query heads do not split into 4 groups
     with pytest.raises(ValueError, match="key blocks"):
         block_minmax_triton(_randn(3, B, D))
-    with pytest.raises(ValueError, match="block_tables"):
-        paged_decode_attention_triton(
-            _randn(2, HQ, D),
-            _randn(4 * B, H, D),
-            _randn(4 * B, H, D),
-            torch.zeros(2, 5, dtype=torch.long),
-            torch.ones(2, dtype=torch.long),
-            B,
-        )
+    q, cache, lens = _randn(2, HQ, D), _randn(4 * B, H, D), torch.ones(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="block_tables"):  # a table per kv head, but H + 1 of them
+        paged_decode_attention_triton(q, cache, cache, torch.zeros(2, H + 1, 5, dtype=torch.long), lens, B, GatherWorkspace())
+    with pytest.raises(ValueError, match="does not fit"):  # the cache in another dtype
+        paged_decode_attention_triton(q.bfloat16(), cache, cache, torch.zeros(2, 5, dtype=torch.long), lens, B, GatherWorkspace())
+    with pytest.raises(ValueError, match="splits"):
+        paged_decode_attention_triton(q, cache, cache, torch.zeros(2, 5, dtype=torch.long), lens, B, GatherWorkspace(), splits=0)
+    wide = _randn(4 * B, H, 320)
+    with pytest.raises(ValueError, match="head_dim 320"):
+        paged_decode_attention_triton(_randn(2, HQ, 320), wide, wide, torch.zeros(2, 5, dtype=torch.long), lens, B, GatherWorkspace())

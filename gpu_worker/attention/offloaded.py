@@ -16,6 +16,7 @@ from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
 from pulseinfer.gpu_worker.offload.step import OffloadStep
 from pulseinfer.kernels.attention import GatherWorkspace, prefill_attention
+from pulseinfer.kernels.prefill_triton import prefill_attention_triton
 from pulseinfer.scheduler.plan import StepPlan
 
 
@@ -51,7 +52,7 @@ class OffloadedAttention(PagedAttention):
         if span.ctx_blocks is not None:  # a resident request's
             return super()._prefill(layer, q, span)
         k, v = self.offload.prefill_context(layer, span, self.workspace)
-        return prefill_attention(q, k, v, span.ctx_len)
+        return (prefill_attention_triton if q.is_cuda else prefill_attention)(q, k, v, span.ctx_len)
 
 
 def step_attention(batch: ForwardBatch, cache: PagedKVCache, workspace: GatherWorkspace, offload: OffloadStep | None) -> PagedAttention:

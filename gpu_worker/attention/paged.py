@@ -11,6 +11,7 @@ from pulseinfer.gpu_worker.batch import DecodePhase, ForwardBatch, PrefillSpan
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention
 from pulseinfer.kernels.decode_triton import paged_decode_attention_triton
+from pulseinfer.kernels.prefill_triton import paged_prefill_attention_triton
 from pulseinfer.scheduler.plan import StepPlan
 
 
@@ -23,11 +24,10 @@ def decode_attention(
     block: int,
     workspace: GatherWorkspace,
 ) -> torch.Tensor:
-    """The Triton kernel on CUDA (per-head tables; shared rows broadcast), the torch reference elsewhere."""
+    """The Triton kernel on CUDA, the torch reference elsewhere: both take shared [b, n] or per-head
+    [b, kv_heads, n] tables (paged, recalled or a window ring's)."""
     if q.is_cuda:
-        if tables.dim() == 2:
-            tables = tables[:, None, :].expand(-1, k_cache.shape[1], -1)
-        return paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, block)
+        return paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, block, workspace)
     return paged_decode_attention(q, k_cache, v_cache, tables, lens, block, workspace)
 
 
@@ -54,7 +54,7 @@ class PagedAttention:
             ):  # rows whose recalls are in flight come last
                 target = batch.decode_index if rows is None else batch.decode_index[rows]
                 if later:
-                    suspended = Suspension(rows.tolist(), q[target], tables, lens)
+                    suspended = Suspension(list(later), q[target], tables, lens)  # the rows on the host: no device read
                     continue
                 out[target] = decode_attention(q[target], k_cache, v_cache, tables, lens, block, self.workspace)
         for span in batch.prefills:
@@ -87,7 +87,10 @@ class PagedAttention:
 
     def _prefill(self, layer: int, q: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
         k_cache, v_cache = self.cache.layer(layer)
-        return paged_prefill_attention(q, k_cache, v_cache, span.ctx_blocks, span.ctx_len, self.cache.spec.block_size, self.workspace)
+        block = self.cache.spec.block_size
+        if q.is_cuda:  # the kernel reads the context in place: no gather
+            return paged_prefill_attention_triton(q, k_cache, v_cache, span.ctx_blocks, span.ctx_len, block)
+        return paged_prefill_attention(q, k_cache, v_cache, span.ctx_blocks, span.ctx_len, block, self.workspace)
 
 
 class PagedBackend:

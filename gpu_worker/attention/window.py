@@ -14,22 +14,28 @@ import torch.nn.functional as F
 
 from pulseinfer.common.memory import check_fits
 from pulseinfer.common.model.config import ModelConfig
+from pulseinfer.common.syncs import to_device
 from pulseinfer.gpu_worker.attention.base import AttentionBackend, StepAttention, Suspension
 from pulseinfer.gpu_worker.attention.paged import decode_attention
 from pulseinfer.gpu_worker.batch import ForwardBatch
 from pulseinfer.kernels.attention import GatherWorkspace
+from pulseinfer.kernels.prefill_triton import window_prefill_attention_triton
 from pulseinfer.scheduler.plan import StepPlan
 
 
 class WindowCache:
-    """The sliding layers' rings: K and V as [sliding layers, rings * window, kv_heads, head_dim]."""
+    """The sliding layers' rings: K and V as [sliding layers, rings * ring_slots, kv_heads, head_dim].
+    A ring is ceil(window / block_size) whole blocks (its first `window` slots used), so decode reads
+    it as a block table like the paged cache's, with the same kernel."""
 
-    def __init__(self, config: ModelConfig, rings: int, dtype: torch.dtype, device: torch.device):
-        if rings < 1:
-            raise ValueError(f"the sliding-window cache needs at least one request's ring, got {rings}")
-        self.window = config.sliding_window
+    def __init__(self, config: ModelConfig, rings: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        if rings < 1 or block_size < 1:
+            raise ValueError(f"the sliding-window cache needs at least one request's ring and a block size, got {rings}, {block_size}")
+        self.window, self.block_size = config.sliding_window, block_size
+        self.ring_blocks = -(-self.window // block_size)
+        self.ring_slots = self.ring_blocks * block_size
         self.index = {layer: i for i, layer in enumerate(config.sliding_layers)}  # model layer -> ring layer
-        shape = (len(self.index), rings * self.window, config.num_kv_heads, config.head_dim)
+        shape = (len(self.index), rings * self.ring_slots, config.num_kv_heads, config.head_dim)
         nbytes = 2 * torch.Size(shape).numel() * dtype.itemsize
         check_fits(nbytes, device, f"the sliding-window KV of {rings} running requests (--max-running)")
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -40,7 +46,11 @@ class WindowCache:
     @property
     def capacity(self) -> int:
         """Requests it holds at once: the scheduler runs no more."""
-        return self.k.shape[1] // self.window
+        return self.k.shape[1] // self.ring_slots
+
+    def slots(self, ring: int) -> slice:
+        """The slots of a ring that hold positions: position p in slot p % window."""
+        return slice(ring * self.ring_slots, ring * self.ring_slots + self.window)
 
     def admit(self, plan: StepPlan) -> dict[str, str]:
         """Frees the rings of the requests the plan released, then gives each new one a ring; the
@@ -73,25 +83,26 @@ class WindowStep:
 
     write_index: torch.Tensor  # flat indices of the tokens written (each chunk's last `window`)
     write_slots: torch.Tensor
-    decode_rings: torch.Tensor  # [b, 1]: each decode row's ring, as a one-block table
-    decode_lens: torch.Tensor  # [b]: positions its ring holds, its own included
+    decode_tables: torch.Tensor  # [b, ring_blocks]: each decode row's ring, as a block table
+    decode_lens: torch.Tensor  # [b]: positions its ring holds, its own included (slots 0 .. len-1)
     prefill_rings: tuple[int, ...]  # per prefill span
 
     @classmethod
     def of(cls, batch: ForwardBatch, cache: WindowCache) -> WindowStep:
+        """Made on the host from what the batch knows there (its host indices, seq ids and spans) and
+        moved in one non-blocking copy; the positions stay on the device: nothing is read back."""
         window, device = cache.window, batch.positions.device
-        decode = batch.decode_index.tolist()
-        chunks = [(i, i + 1, seq_id) for i, seq_id in zip(decode, batch.decode_seq_ids)]
+        chunks = [(i, i + 1, seq_id) for i, seq_id in zip(batch.host.decode_index.tolist(), batch.decode_seq_ids)]
         chunks += [(span.start, span.end, span.seq_id) for span in batch.prefills]
         written = [torch.arange(max(start, end - window), end) for start, end, _ in chunks]
-        rings = [torch.full((len(index),), cache.rings[seq_id]) for index, (_, _, seq_id) in zip(written, chunks)]
-        write_index = torch.cat(written).to(device) if written else torch.empty(0, dtype=torch.long, device=device)
-        ring_of = torch.cat(rings).long().to(device) if rings else write_index
-        decode_rings = torch.tensor([cache.rings[seq_id] for seq_id in batch.decode_seq_ids], dtype=torch.long, device=device)
+        bases = [torch.full((len(index),), cache.slots(cache.rings[seq_id]).start) for index, (_, _, seq_id) in zip(written, chunks)]
+        rings = torch.tensor([cache.rings[seq_id] for seq_id in batch.decode_seq_ids], dtype=torch.long)
+        empty = torch.empty(0, dtype=torch.long)
+        write_index, base, rings = to_device([torch.cat([empty, *written]), torch.cat([empty, *bases]), rings], device)
         return cls(
             write_index=write_index,
-            write_slots=ring_of * window + batch.positions[write_index] % window,
-            decode_rings=decode_rings[:, None],
+            write_slots=base + batch.positions[write_index] % window,
+            decode_tables=rings[:, None] * cache.ring_blocks + torch.arange(cache.ring_blocks, device=device),
             decode_lens=torch.clamp(batch.positions[batch.decode_index] + 1, max=window),
             prefill_rings=tuple(cache.rings[span.seq_id] for span in batch.prefills),
         )
@@ -130,29 +141,30 @@ class WindowedAttention:
         self.full.finish()
 
     def _attend_window(self, ring_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        batch, step, window = self.batch, self.step, self.cache.window
+        batch, step, cache, window = self.batch, self.step, self.cache, self.cache.window
         k_ring, v_ring = self.cache.k[ring_layer], self.cache.v[ring_layer]
         out = torch.empty_like(q)
         # prefills first: a chunk's writes overwrite the ring's older positions its own queries read
+        prefill = window_prefill_attention_triton if q.is_cuda else window_prefill_attention
         for span, ring in zip(batch.prefills, step.prefill_rings):
-            chunk, slots = slice(span.start, span.end), slice(ring * window, (ring + 1) * window)
-            out[chunk] = window_prefill_attention(
-                q[chunk], k[chunk], v[chunk], k_ring[slots], v_ring[slots], batch.positions[chunk], window
-            )
+            chunk, slots = slice(span.start, span.end), cache.slots(ring)
+            start = span.ctx_len - (span.end - span.start)  # the chunk's first position, known here without a sync
+            out[chunk] = prefill(q[chunk], k[chunk], v[chunk], k_ring[slots], v_ring[slots], start, window)
         k_ring.index_copy_(0, step.write_slots, k[step.write_index])
         v_ring.index_copy_(0, step.write_slots, v[step.write_index])
         if batch.decode_index.numel():  # after the writes: a decode row attends its own token too
             rows = batch.decode_index
-            out[rows] = decode_attention(q[rows], k_ring, v_ring, step.decode_rings, step.decode_lens, window, self.workspace)
+            out[rows] = decode_attention(q[rows], k_ring, v_ring, step.decode_tables, step.decode_lens, cache.block_size, self.workspace)
         return out
 
 
 def window_prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, positions: torch.Tensor, window: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, start: int, window: int
 ) -> torch.Tensor:
-    """Queries of a chunk at `positions` (consecutive) over the ring holding the positions before it
-    and the chunk's own k, v: each sees the keys at positions (p - window, p]."""
-    start = int(positions[0])
+    """Queries of a chunk at positions start .. start+n-1 over the ring holding the positions before
+    it and the chunk's own k, v: each sees the keys at positions (p - window, p]. The torch reference
+    of window_prefill_attention_triton; the CPU runs it."""
+    positions = torch.arange(start, start + q.shape[0], device=q.device)
     slots = torch.arange(window, device=q.device)
     ring_pos = start - 1 - (start - 1 - slots) % window  # the latest position before the chunk in each slot
     key_pos = torch.cat([ring_pos, positions])
