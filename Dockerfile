@@ -1,5 +1,9 @@
 # One image for every PulseInfer service (see docker-compose.yml).
 FROM python:3.11-slim
+# Triton compiles its CUDA launcher with the system C compiler on a kernel's first launch: gcc and
+# the C library's headers (a Recommends of gcc, which --no-install-recommends leaves out). Python.h
+# is the image's own, /usr/local/include/python3.11 (Debian's python3-dev would be another Python's).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 # On Linux x86_64, PyPI's torch wheel is a CUDA build; pass TORCH=... for another.
 ARG TORCH=torch==2.13.0

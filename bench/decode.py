@@ -193,7 +193,11 @@ def run_mode(
 ) -> dict:
     """Serves the requests in one mode; timings per step and per request, recall statistics, tokens.
     With `reference` (tokens per request) the requests decode those tokens (teacher forcing)."""
-    engine = Engine(engine_config(mode, config), loaded)
+    with Engine(engine_config(mode, config), loaded) as engine:  # closed: the next mode's engine maps a host pool of its own
+        return _serve_mode(engine, mode, config, requests, reference)
+
+
+def _serve_mode(engine: Engine, mode: str, config: DecodeBenchConfig, requests: list[list[int]], reference: list[list[int]] | None) -> dict:
     params = SamplingParams(max_tokens=config.output_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.submit(prompt, params) for prompt in requests]
     forcing = None

@@ -72,6 +72,8 @@ def kv_store_tier(loaded: LoadedModel, worker: WorkerConfig, host_kv_tokens: int
         try:
             client = KVStoreClient(context, address, timeout_s=60)
             view = PoolView.attach(client.register(WORKER_ID), c.num_kv_heads, worker.block_size, c.head_dim, worker.torch_dtype())
+            if worker.device == "cuda":  # the worker's write-backs reach the pool through UVA
+                view.pin()
             yield HostTier(view, client, None, client.open_recall_engine)
         finally:
             if view is not None:
@@ -104,7 +106,7 @@ def run_path(loaded: LoadedModel, host: HostTier | None, args: LayerAheadBenchCo
         started = time.perf_counter()
         tokens[name], step_s = decode(engine, prompts, params)
         stats = engine.runner.offload.stats()
-        engine.runner.close()
+        engine.close()
         steps, recall = stats["decoded_rows"] / args.requests, stats["recall"]
         results[name] = {
             "seconds": time.perf_counter() - started,

@@ -11,7 +11,7 @@ from pulseinfer.common.memory import check_fits
 from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.kv_store.client import recall_target
 from pulseinfer.kv_store.cuda_ipc import ExportedCache
-from pulseinfer.kv_store.layout import CacheShape, SegmentHeader
+from pulseinfer.kv_store.layout import CacheShape, SegmentHeader, dtype_name
 from pulseinfer.kv_store.segments import Segment, cache_name
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
@@ -65,10 +65,10 @@ class PagedKVCache:
     def recall_target(self, worker_id: int) -> pb.OpenRecallTarget:
         """What the kv_store needs to open this (shared) cache as worker `worker_id`'s recall target."""
         if isinstance(self.completion, ExportedCache):
-            return recall_target(self.shape, worker_id, cuda=self.completion.message())
+            return recall_target(self.shape, worker_id, dtype_name(self.k.dtype), cuda=self.completion.message())
         if self.segment is None:
             raise ValueError("this KV cache is not shared with the kv_store")
-        return recall_target(self.shape, worker_id)
+        return recall_target(self.shape, worker_id, dtype_name(self.k.dtype))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)

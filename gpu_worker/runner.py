@@ -79,7 +79,11 @@ class ModelRunner:
         offloading = host is not None and config.mode != "dense"
         shared = offloading and host.recall_engine is not None  # the kv_store's I/O engine recalls into it
         self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, shared)
-        self.window = WindowCache(loaded.config, config.max_running, self.dtype, self.device) if loaded.config.sliding_layers else None
+        self.window = (
+            WindowCache(loaded.config, config.max_running, self.cache.spec.block_size, self.dtype, self.device)
+            if loaded.config.sliding_layers
+            else None
+        )
         self.offload = self._offload_manager(host, loaded) if offloading and loaded.config.kv_layers else None
         self.attention = attention_backend(self.cache, self.offload, self.window, loaded.config)
 
@@ -141,6 +145,8 @@ class ModelRunner:
         except KVStoreUnavailable as e:
             # The kv_store died mid-step and the offloaded requests' KV with its pool. The resident
             # requests need nothing of it: they run the step again alone (their KV rewritten, the same).
+            if self.device.type == "cuda":  # the step's kernels may still read and write the pool, which detach unmaps
+                torch.cuda.synchronize(self.device)
             self.offload.detach()
             failed |= {c.seq_id: str(e) for c in plan.chunks if c.offloaded}
             return self._run(replace(plan, chunks=tuple(c for c in plan.chunks if not c.offloaded)), failed, pick)
@@ -155,10 +161,10 @@ class ModelRunner:
             logits = forward(self.model, batch, attention)
         finally:
             attention.finish()
-        if self.offload is not None:
-            self.offload.name_blocks(plan.chunks)
         sampled = [c for c in plan.chunks if c.sampling is not None]
         picked = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
+        if self.offload is not None:  # after sampling, whose read has drained the stream that naming waits for
+            self.offload.name_blocks(plan.chunks)
         tokens = []
         for chunk, token in zip(sampled, picked):
             if isinstance(token, str):  # a row that could not be sampled fails its own request, not the step

@@ -5,7 +5,9 @@ with CUDA IPC (`ExportedCache`); the kv_store's I/O engine maps them (`CudaTarge
 each recall on its own stream, between a wait on `ready` (recorded by the worker when it sends
 the recall: the compute that last read those blocks comes first) and a record of `landed`
 (which the worker's compute stream waits on before attention reads them). Neither CPU waits
-for the copy. Two ways to move the bytes, chosen by fragment size:
+for the copy (but the staged path's host gather, for `ready`: it reads blocks the worker's kernels
+wrote). A worker recalling from its own mapping of the pool orders its copy stream the same way
+(`CopyStream`). Two ways to move the bytes, chosen by fragment size:
 - mapped: the recall kernel reads the units straight from the page-locked, mapped host pool
   through UVA (no staging; every fragment is its own run of PCIe reads, which small head-wise
   fragments need);
@@ -15,8 +17,13 @@ for the copy. Two ways to move the bytes, chosen by fragment size:
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
+from pulseinfer.common.syncs import to_device
 from pulseinfer.kernels.gather_scatter import MappedHost, recall, recall_triton
 from pulseinfer.kv_store.layout import CacheShape
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
@@ -31,14 +38,34 @@ def staged(fragment_bytes: int, heads: torch.Tensor | None, staging_min_bytes: i
     return heads is None and fragment_bytes >= staging_min_bytes
 
 
-class ExportedCache:
-    """The worker's side: its KV cache and the events it synchronizes with the engine by."""
+class StreamOrder:
+    """How copies on a stream of their own are ordered with the worker's compute stream, by two
+    events and no CPU wait: `issue` (when a recall is sent) records `ready` on the compute stream,
+    which the copy waits on (what compute has queued, the reads of the blocks it overwrites among
+    it, comes first); the copy records `landed`, and `landed` (once the copy is queued) makes the
+    compute stream wait on it (attention reads the blocks after)."""
+
+    def __init__(self, device: torch.device, interprocess: bool):
+        self.stream = torch.cuda.current_stream(device)  # the compute stream: attention reads recalls on it
+        self.ready_event = torch.cuda.Event(interprocess=interprocess)
+        self.landed_event = torch.cuda.Event(interprocess=interprocess)
+
+    def issue(self) -> None:
+        """Before a recall is sent: the copy waits for what the compute stream has queued so far."""
+        self.ready_event.record(self.stream)
+
+    def landed(self, sequence: int = 0) -> None:
+        """After the copy was queued: the compute stream waits on the GPU, not this thread."""
+        self.stream.wait_event(self.landed_event)
+
+
+class ExportedCache(StreamOrder):
+    """The worker's side of the kv_store's recalls: its KV cache, and the events (interprocess) the
+    engine's stream waits on and records."""
 
     def __init__(self, kv: torch.Tensor):
+        super().__init__(kv.device, interprocess=True)
         self.kv = kv  # CacheShape.kv_dims: [2, num_layers, slots, kv_heads, head_dim]
-        self.stream = torch.cuda.current_stream(kv.device)  # the compute stream: attention reads recalls on it
-        self.ready_event = torch.cuda.Event(interprocess=True)
-        self.landed_event = torch.cuda.Event(interprocess=True)
 
     def message(self) -> pb.CudaCache:
         device, handle, size, offset, counter, counter_offset, event, sync = self.kv.untyped_storage()._share_cuda_()
@@ -58,13 +85,26 @@ class ExportedCache:
     def last(self) -> int:
         return 0  # the events carry no sequence: the engine's answer does
 
-    def issue(self) -> None:
-        """Before a recall is sent: the copy waits for what the compute stream has queued so far."""
-        self.ready_event.record(self.stream)
 
-    def landed(self, sequence: int) -> None:
-        """After the engine answered: the compute stream waits on the GPU, not this thread."""
-        self.stream.wait_event(self.landed_event)
+class CopyStream(StreamOrder):
+    """A worker's own recalls (the in-process pool) on a stream of their own, so they overlap
+    compute, ordered with it as the kv_store engine's are."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device, interprocess=False)
+        self.copy_stream = torch.cuda.Stream(device)
+        self._lock = threading.Lock()  # the I/O thread's recalls and the compute thread's in-line ones share the events
+
+    @contextmanager
+    def copying(self) -> Iterator[None]:
+        """The body's copies run on the copy stream, after `ready`, before `landed`."""
+        with self._lock:
+            self.issue()
+            self.copy_stream.wait_event(self.ready_event)
+            with torch.cuda.stream(self.copy_stream):
+                yield
+            self.landed_event.record(self.copy_stream)
+            self.landed()
 
 
 class Staging:
@@ -120,7 +160,7 @@ class CudaTarget:
         except RuntimeError as e:
             raise ValueError(
                 f"worker {request.worker_id}'s CUDA IPC handles did not open ({e}): the worker and the kv_store must see the same "
-                "GPU and share the host's IPC namespace (docker-compose: ipc: host)"
+                "GPU and share the host's IPC namespace and one PID namespace (docker-compose: ipc: host, pid: host)"
             ) from e
         kv = torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, shape.kv_dims)
         self.k, self.v = kv[0], kv[1]
@@ -129,17 +169,20 @@ class CudaTarget:
         self.staging = Staging(self.device, dtype)
 
     def copy(self, units: torch.Tensor, rows: torch.Tensor, layer: int, device_blocks: torch.Tensor, heads: torch.Tensor | None) -> None:
-        """Queues the recall on the engine's stream, after the worker's `ready`. `units` is the
+        """Queues the recall on the engine's stream, after the worker's `ready`, with no wait for the
+        worker's GPU on this thread (it serves every worker) but the staged path's. `units` is the
         engine's CPU view of the pool, which the engine registered as mapped."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            rows_on, dst, *head_index = to_device([rows, device_blocks] + ([heads] if heads is not None else []), self.device)
             self.stream.wait_event(self.ready_event)
             k, v = self.k[layer], self.v[layer]
-            dst = device_blocks.to(self.device)
             if staged(units[0].numel() * units.element_size(), heads, self.staging_min_bytes):
+                # the host gather reads blocks the worker wrote with kernels queued before `ready`: they must have run
+                self.ready_event.synchronize()
                 recall(self.staging.stage(units, rows), torch.arange(rows.numel(), device=self.device), k, v, dst)
             else:
-                head_index = heads.to(self.device) if heads is not None else None
-                recall_triton(units, rows.to(self.device), k, v, dst, head_index, source=MappedHost(units.data_ptr(), units.dtype))
+                source = MappedHost(units.data_ptr(), units.dtype)
+                recall_triton(units, rows_on, k, v, dst, head_index[0] if head_index else None, source=source)
 
     def complete(self, sequence: int) -> None:
         self.landed_event.record(self.stream)

@@ -25,7 +25,7 @@ from pulseinfer.kernels.gather_scatter import recall
 from pulseinfer.kv_store.cuda_ipc import CudaTarget
 from pulseinfer.kv_store.layout import CacheShape, PoolGeometry, unit_bytes
 from pulseinfer.kv_store.segments import open_segment
-from pulseinfer.kv_store.view import cuda_host_register, register_host_range, unregister_host_ranges
+from pulseinfer.kv_store.view import HostRegistrar, register_host_range, unregister_host_ranges
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 POLL_MS = 200  # how soon a shutdown signal is noticed
@@ -63,19 +63,29 @@ RecallTarget = SharedTarget | CudaTarget
 
 
 class RecallEngine:
-    def __init__(self, pool_map: mmap.mmap, geometry: PoolGeometry, dtype: torch.dtype, staging_min_bytes: int):
+    def __init__(self, pool_map: mmap.mmap, geometry: PoolGeometry, staging_min_bytes: int, cuda_host: HostRegistrar | None = None):
+        """`cuda_host`: how the pool is registered with CUDA; None without a CUDA device (CUDA targets
+        are then refused). The pool is pinned here, once, before the kv_store reports ready: seconds
+        per 10 GB, which no worker's open_recall may wait for."""
         self.geometry = geometry
-        self.dtype = dtype
+        self.dtype = getattr(torch, geometry.dtype)
         self.staging_min_bytes = staging_min_bytes
-        self.pool = torch.frombuffer(pool_map, dtype=dtype)
+        self.pool = torch.frombuffer(pool_map, dtype=self.dtype)
         self.targets: dict[int, RecallTarget] = {}
         self.recalls = 0  # completed, since start
         self.busy_s = 0.0
-        self._pinned: list[tuple[int, int]] | None = None  # the pool's CUDA registration, made for the first CUDA target
+        self._cuda_host = cuda_host
+        # page-locked and mapped: the recall kernel reads it through UVA, DMAs need no bounce buffer
+        size = self.pool.numel() * self.pool.element_size()
+        self._pinned = register_host_range(self.pool.data_ptr(), size, cuda_host) if cuda_host is not None else None
         self._lock = threading.Lock()  # targets are opened and dropped on the control thread, used on the engine's
 
     def open(self, request: pb.OpenRecallTarget, segment: str) -> None:
         """Opens worker `request.worker_id`'s cache: exported from its CUDA device, or else in `segment`."""
+        if request.dtype != self.geometry.dtype:  # fp16 and bf16 units are the same size: only the name tells them apart
+            raise ValueError(
+                f"worker {request.worker_id}'s cache is {request.dtype or '(no dtype)'}, the pool's units are {self.geometry.dtype}"
+            )
         unit = unit_bytes(request.kv_heads, request.block_size, request.head_dim, self.dtype.itemsize)
         if unit != self.geometry.unit_bytes or request.num_layers != self.geometry.num_layers:
             raise ValueError(
@@ -88,13 +98,8 @@ class RecallEngine:
             self.targets[request.worker_id] = target
 
     def _cuda_target(self, request: pb.OpenRecallTarget) -> CudaTarget:
-        if not torch.cuda.is_available():
-            raise ValueError(f"worker {request.worker_id} has a CUDA cache, and this kv_store sees no CUDA device")
-        if self._pinned is None:  # page-locked and mapped: the recall kernel reads it through UVA, DMAs need no bounce
-            try:
-                self._pinned = register_host_range(self.pool.data_ptr(), self.pool.numel() * self.pool.element_size(), cuda_host_register)
-            except RuntimeError as e:
-                raise ValueError(f"{e} (is the kv_store's memlock limit unlimited?)") from e
+        if self._pinned is None:
+            raise ValueError(f"worker {request.worker_id} has a CUDA cache, and this kv_store sees no CUDA device (its pool is not pinned)")
         return CudaTarget(request, shape_of(request), self.dtype, self.staging_min_bytes)
 
     def drop(self, worker_id: int) -> None:
@@ -162,7 +167,9 @@ class RecallEngine:
         with self._lock:
             for worker_id in list(self.targets):
                 self._drop(worker_id)
-            unregister_host_ranges(self._pinned or [])
+            if self._pinned:
+                unregister_host_ranges(self._pinned, self._cuda_host)
+                self._pinned = None
             del self.pool
 
 

@@ -45,11 +45,17 @@ class ModelShape(Protocol):
     def head_dim(self) -> int: ...
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype by the name the pool's layout and the flags give it: torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class PoolGeometry:
     num_blocks: int
     num_layers: int
     unit_bytes: int
+    dtype: str  # the units' element type, a DTYPE_BYTES name: a pool of bfloat16 is no pool of float16
 
     @classmethod
     def for_model(cls, config: ModelShape, block_size: int, tokens: int, dtype: str) -> PoolGeometry:
@@ -58,7 +64,7 @@ class PoolGeometry:
         if tokens < block_size:
             raise ValueError(f"host KV pool of {tokens} tokens is smaller than one block ({block_size})")
         unit = unit_bytes(config.num_kv_heads, block_size, config.head_dim, DTYPE_BYTES[dtype])
-        return cls(num_blocks=tokens // block_size, num_layers=config.kv_layers, unit_bytes=unit)
+        return cls(num_blocks=tokens // block_size, num_layers=config.kv_layers, unit_bytes=unit, dtype=dtype)
 
     @property
     def block_bytes(self) -> int:

@@ -25,6 +25,7 @@ from pulseinfer.kv_store.layout import PoolGeometry
 from pulseinfer.kv_store.pool import SharedPool, pid_alive
 from pulseinfer.kv_store.prefix_cache import CACHE_OWNER, NAME_BYTES, HostBlocks
 from pulseinfer.kv_store.segments import cache_name, sweep
+from pulseinfer.kv_store.view import CUDA_HOST
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
 log = logging.getLogger("kv_store")
@@ -160,7 +161,9 @@ class KVStore:
 
     def layout(self) -> pb.PoolLayout:
         g = self.pool.geometry
-        return pb.PoolLayout(shm_name=self.pool.name, num_blocks=g.num_blocks, unit_bytes=g.unit_bytes, num_layers=g.num_layers)
+        return pb.PoolLayout(
+            shm_name=self.pool.name, num_blocks=g.num_blocks, unit_bytes=g.unit_bytes, num_layers=g.num_layers, dtype=g.dtype
+        )
 
     def stats(self) -> pb.KVStoreStats:
         a = self.allocator
@@ -193,10 +196,14 @@ def serve(config: KVStoreConfig, geometry: PoolGeometry, stop: threading.Event) 
     what = f"the host KV pool of {config.host_kv_tokens} tokens (--host-kv-tokens)"
     check_fits(geometry.total_bytes, torch.device("cpu"), what, shared=True)
     pool = SharedPool(geometry, populate=config.prefault)
+    try:  # with a CUDA device the pool is pinned now, before the store binds (reports ready)
+        engine = RecallEngine(pool.map, geometry, config.staging_min_kib << 10, CUDA_HOST if torch.cuda.is_available() else None)
+    except BaseException:
+        pool.close()
+        raise
     context = zmq.Context()
     socket = context.socket(zmq.REP)
     socket.setsockopt(zmq.LINGER, 0)
-    engine = RecallEngine(pool.map, geometry, getattr(torch, config.kv_dtype), config.staging_min_kib << 10)
     engine_address = io_address(config.bind)
     engine_ready, engine_stop = threading.Event(), threading.Event()
     io = threading.Thread(target=engine.serve, args=(context, engine_address, engine_ready, engine_stop), name="io-engine")

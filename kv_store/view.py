@@ -7,13 +7,18 @@ is what a head-wise recall moves. KV bytes go through this mapping only, never a
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from pulseinfer.common.memory import check_fits
-from pulseinfer.kv_store.layout import unit_bytes
+from pulseinfer.common.syncs import to_device
+from pulseinfer.kernels.gather_scatter import MappedHost, gather_units, scatter_units
+from pulseinfer.kv_store.layout import dtype_name, unit_bytes
 from pulseinfer.kv_store.pool import prefault
 from pulseinfer.kv_store.segments import open_segment
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2
@@ -36,12 +41,19 @@ class PoolView:
         self._unit_shape = (2, kv_heads, block_size, head_dim)
         self.kv_heads = kv_heads
         self.unit_bytes = self._units.shape[1] * self._units.element_size()
+        self._pinned: list[tuple[int, int]] = []  # what pin() registered with CUDA; close() unregisters it
+        self._host: HostRegistrar | None = None
 
     @classmethod
     def attach(cls, layout: kv_store_pb2.PoolLayout, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
         """Maps the kv_store's segment named in `layout` (pre-faulted: no minor faults on the first recalls)."""
         element = dtype.itemsize
         unit = unit_bytes(kv_heads, block_size, head_dim, element)
+        if layout.dtype != dtype_name(dtype):  # fp16 and bf16 units are the same size: only the name tells them apart
+            raise PoolMismatch(
+                f"kv_store pool units are {layout.dtype or 'of an unnamed dtype'}, this worker's KV is {dtype_name(dtype)}: "
+                "start kv_store with this worker's --kv-dtype"
+            )
         if unit != layout.unit_bytes:
             raise PoolMismatch(
                 f"kv_store pool units are {layout.unit_bytes} bytes, this worker's are {unit} "
@@ -72,42 +84,56 @@ class PoolView:
 
     def write(self, blocks: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes back full blocks of one layer. k, v: [n, block_size, kv_heads, head_dim], the
-        device cache's slot-major layout. On CPU one transposing scatter per K and V; from a CUDA device one async copy per
-        unit into the pinned pool, queued on the current stream (so later reads on it are ordered)."""
+        device cache's slot-major layout. On CPU one transposing scatter per K and V; from a CUDA
+        device one scatter kernel into the pinned, mapped pool, queued on the current stream (so
+        later reads on it are ordered; a reader elsewhere waits for an event recorded after it)."""
         rows = self.unit_rows(blocks, layer)
-        if k.device.type == "cpu":  # transposing straight into the pool: twice as fast as stacking units first
-            self.units[rows, 0] = k.transpose(1, 2)
-            self.units[rows, 1] = v.transpose(1, 2)
-            return
-        units = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=1).view(len(blocks), -1)  # the pool's unit layout
-        for i, row in enumerate(rows.tolist()):
-            self._units[row].copy_(units[i], non_blocking=True)
+        if k.device.type == "cpu":
+            scatter_units(self.units, rows, k, v)
+        else:
+            scatter_units(self.units, *to_device([rows], k.device), k, v, self.mapped())
 
     def read(self, blocks: torch.Tensor, layer: int, device: torch.device | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, 2, kv_heads, block_size, head_dim] for host blocks `blocks` of one layer, on `device`
         (default: the CPU), into `out` when given (a reused buffer: a fresh one costs page faults).
-        On CPU one gather; to a CUDA device one async copy per unit, queued on the current stream
-        after the write-backs before it."""
+        On CPU one gather; to a CUDA device one gather kernel reading the pinned, mapped pool,
+        queued on the current stream after the write-backs before it."""
         rows = self.unit_rows(blocks, layer)
         device = out.device if out is not None else device or torch.device("cpu")
         if out is None:
-            out = torch.empty((len(blocks), self._units.shape[1]), dtype=self._units.dtype, device=device)
-        flat = out.view(len(blocks), -1)
+            out = torch.empty((len(blocks), *self._unit_shape), dtype=self._units.dtype, device=device)
         if device.type == "cpu":
-            torch.index_select(self._units, 0, rows, out=flat)
+            gather_units(self.units, rows, out)
         else:
-            for i, row in enumerate(rows.tolist()):
-                flat[i].copy_(self._units[row], non_blocking=True)
-        return flat.view(len(blocks), *self._unit_shape)
+            gather_units(self.units, *to_device([rows], device), out, self.mapped())
+        return out
 
-    def pin(self, register: Callable[[int, int], int] | None = None) -> None:
-        """Registers the mapping with CUDA (page-locked, device-addressable), so copies to and from
-        it are DMA without a bounce buffer and can be asynchronous."""
-        address = self._units.data_ptr()
-        self._pinned = register_host_range(address, self._units.numel() * self._units.element_size(), register or cuda_host_register)
+    def pin(self, host: HostRegistrar | None = None) -> None:
+        """Registers the mapping with CUDA (page-locked, mapped): DMAs to and from it need no bounce
+        buffer, and kernels read and write it in place through UVA (`mapped`)."""
+        if self._pinned:
+            raise ValueError("this view of the host KV pool is pinned already")
+        self._host = host or CUDA_HOST
+        self._pinned = register_host_range(self._units.data_ptr(), self._units.numel() * self._units.element_size(), self._host)
+
+    def mapped(self) -> MappedHost:
+        """The pool as the kernels take it on CUDA: its host address, which the launcher maps to the device's."""
+        if not self._pinned:
+            raise ValueError("CUDA reaches the host KV pool only once it is pinned: PoolView.pin() first")
+        return MappedHost(self._units.data_ptr(), self._units.dtype)
+
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
 
     def close(self) -> None:
-        unregister_host_ranges(getattr(self, "_pinned", []))
+        """Unregisters what pin() registered, then unmaps. Every view that pinned must be closed: a
+        registration outlives the mapping, and the next mapping at its address could not be pinned."""
+        if self.closed:
+            return
+        pinned, self._pinned = self._pinned, []
+        if pinned:
+            unregister_host_ranges(pinned, self._host)
         del self.blocks, self._units
         self._map.close()
 
@@ -117,26 +143,71 @@ CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2
 
 
-def register_host_range(address: int, size: int, register: Callable[[int, int], int]) -> list[tuple[int, int]]:
-    """cudaHostRegister over [address, address+size) in chunks of at most 64 GiB. A chunk this
-    process already registered (another mapping of the same pool) is accepted as it is and not
-    returned, so closing this view leaves it registered for its owner."""
-    registered = []
+@dataclass(frozen=True)
+class HostRegistrar:
+    """How host memory is registered with CUDA and let go: cudaHostRegister and cudaHostUnregister
+    (tests pass fakes). Both return a CUDA error code, 0 for success."""
+
+    register: Callable[[int, int], int]  # (address, size) -> error
+    unregister: Callable[[int], int]  # (address) -> error
+
+
+def register_host_range(address: int, size: int, host: HostRegistrar) -> list[tuple[int, int]]:
+    """cudaHostRegister over [address, address+size) in chunks of at most 64 GiB; returns the chunks,
+    which unregister_host_ranges lets go. A failed chunk lets go of those before it and raises: a
+    range that is already registered (error 712) is never accepted, since the caller has just mapped
+    it: that registration is stale, left over from an earlier mapping at the same address that was
+    unmapped without being unregistered, and holds that mapping's freed pages, not these."""
+    registered: list[tuple[int, int]] = []
     for offset in range(0, size, CUDA_REGISTER_CHUNK):
         length = min(CUDA_REGISTER_CHUNK, size - offset)
-        code = register(address + offset, length)
-        if code == 0:
-            registered.append((address + offset, length))
-        elif code != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-            raise RuntimeError(f"cudaHostRegister of {length} bytes of the host KV pool failed with CUDA error {code}")
+        code = host.register(address + offset, length)
+        if code != 0:
+            unregister_host_ranges(registered, host)
+            raise RuntimeError(_register_error(address + offset, length, code))
+        registered.append((address + offset, length))
     return registered
+
+
+def _register_error(address: int, length: int, code: int) -> str:
+    what = f"cudaHostRegister of {length} bytes of the host KV pool at {address:#x} failed with CUDA error {code}"
+    if code == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+        return (
+            f"{what} (already registered): a stale registration of an earlier mapping at this address, unmapped without "
+            "being unregistered (a PoolView or Engine not closed); its pages are not this pool's"
+        )
+    return f"{what} (is the memlock limit unlimited?)"
+
+
+def unregister_host_ranges(ranges: list[tuple[int, int]], host: HostRegistrar) -> None:
+    failed = [(address, code) for address, _ in ranges if (code := host.unregister(address)) != 0]
+    if failed:
+        raise RuntimeError(f"cudaHostUnregister of the host KV pool failed (address, CUDA error): {failed}")
 
 
 def cuda_host_register(address: int, size: int) -> int:
     """Page-locked and mapped: DMAs need no bounce buffer, and kernels read it through UVA."""
-    return int(torch.cuda.cudart().cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED))
+    return _cleared(torch.cuda.cudart().cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED))
 
 
-def unregister_host_ranges(ranges: list[tuple[int, int]]) -> None:
-    for address, _ in ranges:
-        torch.cuda.cudart().cudaHostUnregister(address)
+def cuda_host_unregister(address: int) -> int:
+    return _cleared(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def _cleared(error: object) -> int:
+    """A CUDA runtime call's error code, after clearing it from the thread's last error: left there,
+    torch's check after its next kernel launch (cudaGetLastError) would raise it as that kernel's."""
+    code = int(error)
+    if code != 0:
+        _cuda_runtime().cudaGetLastError()
+    return code
+
+
+@functools.cache
+def _cuda_runtime() -> ctypes.CDLL:
+    """The CUDA runtime torch loaded: dlopen by its soname returns that library, whose last error is torch's
+    (torch's own bindings, torch.cuda.cudart(), have no cudaGetLastError)."""
+    return ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+
+
+CUDA_HOST = HostRegistrar(cuda_host_register, cuda_host_unregister)

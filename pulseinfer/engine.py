@@ -72,8 +72,14 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         check_mode(config.worker.mode, config.batcher.offload)
         offloading = config.batcher.offload != "never" and config.worker.mode != "dense"
+        self._own_pool: PoolView | None = None  # the host pool this engine made: close() lets go of it
         self.host = (host or self._host_tier()) if offloading else None
-        self.runner = ModelRunner(self.loaded, config.worker, self.host)
+        try:
+            self.runner = ModelRunner(self.loaded, config.worker, self.host)
+        except BaseException:
+            if self._own_pool is not None:
+                self._own_pool.close()
+            raise
         spec = self.runner.cache_spec
         self.allocator = BlockAllocator(spec.num_blocks)
         limits = ModelLimits(
@@ -89,10 +95,28 @@ class Engine:
     def _host_tier(self) -> HostTier:
         c, block = self.loaded.config, self.config.worker.block_size
         blocks = self.config.host_kv_tokens // block
-        view = PoolView.private(blocks, c.kv_layers, c.num_kv_heads, block, c.head_dim, self.config.worker.torch_dtype())
+        view = self._own_pool = PoolView.private(blocks, c.kv_layers, c.num_kv_heads, block, c.head_dim, self.config.worker.torch_dtype())
         if self.config.worker.device == "cuda":
             view.pin()
         return HostTier(view, HostBlocks(blocks))
+
+    def close(self) -> None:
+        """Stops the worker's I/O thread and lets go of the host pool this engine made: unpinned, then
+        unmapped. An Engine on CUDA must be closed (or used as a context manager): the next one in
+        this process may map its pool at the same address, where a registration left behind would be stale.
+        A host tier passed in stays its owner's."""
+        self.runner.close()
+        pool, self._own_pool = self._own_pool, None
+        if pool is not None:
+            if self.runner.device.type == "cuda":  # no kernel may still read or write the pool
+                torch.cuda.synchronize(self.runner.device)
+            pool.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
         seq_id = seq_id or uuid.uuid4().hex

@@ -137,12 +137,13 @@ def evaluate(
     """Runs one eval; returns the settings, the results and the selection's statistics as one JSON-able dict."""
     torch.manual_seed(0)
     started = time.perf_counter()
-    engine = Engine(sparse_engine_config(engine_config), loaded)
-    results = run_passkey(engine, task_config) if task == "passkey" else run_perplexity(engine, task_config)
+    with Engine(sparse_engine_config(engine_config), loaded) as engine:
+        results = run_passkey(engine, task_config) if task == "passkey" else run_perplexity(engine, task_config)
+        selection = engine.selection_stats()
     worker, offload = engine_config.worker, engine_config.worker.offload
     settings = {"task": task, "mode": worker.mode, "block_size": worker.block_size, **dataclasses.asdict(task_config)}
     if worker.mode != "dense":
         settings.update(budget=offload.budget, sink=offload.sink, recent=offload.recent)
     if "file" in settings:
         settings["file"] = str(settings["file"] or "pydoc_data.topics")
-    return {"settings": settings, **results, "selection": engine.selection_stats(), "seconds": round(time.perf_counter() - started, 1)}
+    return {"settings": settings, **results, "selection": selection, "seconds": round(time.perf_counter() - started, 1)}

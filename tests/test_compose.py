@@ -1,9 +1,12 @@
 """docker-compose.yml: valid against the compose-spec schema (no engine runs here), every
 service command parses with that service's own flags, the internal services are reachable
-only through unix sockets in a shared volume, and the API key is a secret of the gateway's."""
+only through unix sockets in a shared volume, the CUDA IPC peers share IPC and PID namespaces,
+and the API key is a secret of the gateway's. The Dockerfile: the image can compile Triton's launcher."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ from pulseinfer.scheduler.core import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
 SERVICE_CONFIGS = {"kv_store": KVStoreConfig, "scheduler": SchedulerConfig, "gpu_worker": WorkerServiceConfig, "gateway": GatewayConfig}
 INTERNAL = ("kv_store", "scheduler", "gpu_worker")
 RUN_DIR = "/run/pulseinfer"
@@ -48,6 +52,37 @@ def test_the_four_services_share_one_image_and_host_ipc(compose):
     for name in ("gpu_worker", "kv_store"):  # the kv_store's I/O engine opens the worker's cache with CUDA IPC: the same GPU
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"] and device["device_ids"] == ["0"], name
+
+
+def test_the_cuda_ipc_peers_share_one_pid_namespace_and_no_other_service_joins_it(compose):
+    """Legacy CUDA IPC across containers fails in different PID namespaces ("invalid device context")."""
+    services = compose["services"]
+    assert services["kv_store"]["pid"] == services["gpu_worker"]["pid"] == "host"
+    assert "pid" not in services["scheduler"] and "pid" not in services["gateway"]
+
+
+def _run_commands(dockerfile: str) -> list[list[str]]:
+    """Each RUN instruction (continuations joined) as its &&-separated shell commands, split into words."""
+    joined = re.sub(r"\\\n", " ", dockerfile)
+    runs = [line.removeprefix("RUN ") for line in joined.splitlines() if line.startswith("RUN ")]
+    return [shlex.split(command) for run in runs for command in run.split("&&")]
+
+
+def test_the_image_has_a_c_compiler_for_tritons_launcher_and_no_apt_lists():
+    """Triton builds its CUDA launcher with gcc on the first launch of a kernel: without a compiler
+    in the image every kernel fails. The headers: libc6-dev (gcc only recommends it) and the image's
+    own Python.h (python:*-slim keeps /usr/local/include; Debian's python3-dev is another Python's)."""
+    dockerfile = DOCKERFILE.read_text()
+    assert "\nFROM python:3.11-slim\n" in dockerfile
+    commands = _run_commands(dockerfile)
+    installs = [c for c in commands if c[:3] == ["apt-get", "install", "-y"]]
+    assert len(installs) == 1, installs
+    (install,) = installs
+    assert "--no-install-recommends" in install and {"gcc", "libc6-dev"} <= set(install)
+    assert not [word for word in install if word.startswith("python3")]
+    first = commands.index(install)
+    assert commands[first - 1] == ["apt-get", "update"]  # in the same layer: never a stale package list
+    assert commands[first + 1] == ["rm", "-rf", "/var/lib/apt/lists/*"]
 
 
 def test_each_command_parses_with_its_service_flags(compose):

@@ -4,6 +4,7 @@ I/O engine recalling into a worker's shared KV cache."""
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 import textwrap
@@ -16,14 +17,26 @@ import torch
 import zmq
 
 from pulseinfer.common.model.meta import load_model_config
+from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
+from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
+from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.kernels.gather_scatter import recall_ref
 from pulseinfer.kv_store.allocator import PoolExhausted
 from pulseinfer.kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall, recall_target
 from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES, Staging, staged
-from pulseinfer.kv_store.layout import CacheShape, SegmentHeader
-from pulseinfer.kv_store.prefix_cache import CACHE_OWNER
-from pulseinfer.kv_store.view import CUDA_REGISTER_CHUNK, PoolMismatch, PoolView, register_host_range
+from pulseinfer.kv_store.engine import RecallEngine
+from pulseinfer.kv_store.layout import CacheShape, PoolGeometry, SegmentHeader, unit_bytes
+from pulseinfer.kv_store.prefix_cache import CACHE_OWNER, HostBlocks
+from pulseinfer.kv_store.view import (
+    CUDA_HOST,
+    CUDA_REGISTER_CHUNK,
+    HostRegistrar,
+    PoolMismatch,
+    PoolView,
+    register_host_range,
+    unregister_host_ranges,
+)
 from pulseinfer.launcher import Child, start_kv_store
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
 
@@ -193,18 +206,128 @@ def test_the_segment_is_gone_after_shutdown(tmp_path, geometry):
     assert not segments[0].exists()
 
 
-def test_cuda_registration_goes_in_64_gib_chunks_and_accepts_an_already_registered_range():
-    calls = []
+class FakeCuda:
+    """cudaHostRegister and cudaHostUnregister as the driver answers them: a range that overlaps a
+    registered one is error 712 (cudaErrorHostMemoryAlreadyRegistered); unregistering what is not
+    registered, error 1."""
 
-    def register(address: int, size: int) -> int:
-        calls.append((address, size))
-        return 712 if len(calls) == 2 else 0  # cudaErrorHostMemoryAlreadyRegistered
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+        self.calls: list[tuple[int, int]] = []
+        self.host = HostRegistrar(self.register, self.unregister)
 
-    registered = register_host_range(1000, 2 * CUDA_REGISTER_CHUNK + 5, register)
-    assert calls == [(1000, CUDA_REGISTER_CHUNK), (1000 + CUDA_REGISTER_CHUNK, CUDA_REGISTER_CHUNK), (1000 + 2 * CUDA_REGISTER_CHUNK, 5)]
-    assert registered == [calls[0], calls[2]]  # closing the view unregisters only what it registered
-    with pytest.raises(RuntimeError, match="CUDA error 2"):
-        register_host_range(0, 10, lambda address, size: 2)
+    def register(self, address: int, size: int) -> int:
+        self.calls.append((address, size))
+        if any(start < address + size and address < start + length for start, length in self.registered.items()):
+            return 712
+        self.registered[address] = size
+        return 0
+
+    def unregister(self, address: int) -> int:
+        return 0 if self.registered.pop(address, None) is not None else 1
+
+
+def test_cuda_registration_goes_in_64_gib_chunks_and_is_let_go_chunk_by_chunk():
+    cuda = FakeCuda()
+    registered = register_host_range(1000, 2 * CUDA_REGISTER_CHUNK + 5, cuda.host)
+    assert cuda.calls == [
+        (1000, CUDA_REGISTER_CHUNK),
+        (1000 + CUDA_REGISTER_CHUNK, CUDA_REGISTER_CHUNK),
+        (1000 + 2 * CUDA_REGISTER_CHUNK, 5),
+    ]
+    assert registered == cuda.calls
+    unregister_host_ranges(registered, cuda.host)
+    assert cuda.registered == {}
+    with pytest.raises(RuntimeError, match="cudaHostUnregister .* failed"):
+        unregister_host_ranges(registered, cuda.host)  # twice: the driver's error is raised, not dropped
+
+
+def test_an_already_registered_range_is_a_stale_registration_and_fails_clearly():
+    """A range just mapped that CUDA reports registered (712) holds an earlier mapping's freed pages:
+    never accepted; the chunks registered before it are let go."""
+    cuda = FakeCuda()
+    cuda.registered[1000 + CUDA_REGISTER_CHUNK + 64] = 4096  # left by a mapping unmapped without being unregistered
+    with pytest.raises(RuntimeError, match="CUDA error 712 .*stale registration"):
+        register_host_range(1000, 2 * CUDA_REGISTER_CHUNK, cuda.host)
+    assert cuda.registered == {1000 + CUDA_REGISTER_CHUNK + 64: 4096}  # the first chunk let go; the stale one is not ours
+    with pytest.raises(RuntimeError, match="CUDA error 2 .*memlock"):
+        register_host_range(0, 10, HostRegistrar(lambda address, size: 2, cuda.unregister))
+
+
+def test_a_pinned_view_is_unpinned_when_closed_and_a_stale_registration_at_its_address_refused():
+    cuda = FakeCuda()
+    view = PoolView.private(4, 2, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
+    with pytest.raises(ValueError, match="pin"):
+        view.mapped()  # CUDA reaches the pool through its registration only
+    view.pin(cuda.host)
+    address, size = view.units.data_ptr(), view.units.numel() * 4
+    assert cuda.registered == {address: size}
+    assert view.mapped().address == address and view.mapped().dtype == torch.float32
+    view.close()
+    view.close()  # once is enough; twice harms nothing
+    assert cuda.registered == {}
+    # The next view of this process, mapped at an address an unclosed view registered: refused, not accepted silently.
+    fresh = PoolView.private(4, 2, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
+    cuda.registered[fresh.units.data_ptr()] = size
+    with pytest.raises(RuntimeError, match="stale registration"):
+        fresh.pin(cuda.host)
+    with pytest.raises(ValueError, match="pin"):
+        fresh.mapped()
+    stale = {fresh.units.data_ptr(): size}
+    fresh.close()
+    assert cuda.registered == stale  # not this view's to let go
+
+
+def test_the_engine_pins_the_pool_at_start_up_and_refuses_a_cache_of_the_other_half_precision():
+    """fp16 and bf16 units have the same size: the dtype's name tells them apart."""
+    geometry = PoolGeometry(num_blocks=4, num_layers=2, unit_bytes=unit_bytes(KV_HEADS, BLOCK, HEAD_DIM, 2), dtype="float16")
+    pool, cuda = mmap.mmap(-1, geometry.total_bytes), FakeCuda()
+    engine = RecallEngine(pool, geometry, STAGING_BYTES, cuda.host)
+    assert cuda.registered == {engine.pool.data_ptr(): geometry.total_bytes}  # before any worker opens a target
+    try:
+        request = recall_target(CacheShape(2, 4 * BLOCK, KV_HEADS, HEAD_DIM, BLOCK), 1, "bfloat16")
+        with pytest.raises(ValueError, match="cache is bfloat16, the pool's units are float16"):
+            engine.open(request, "unused")
+    finally:
+        engine.close()
+    assert cuda.registered == {}
+    pool.close()
+
+
+def test_an_engine_lets_go_of_the_host_pool_it_made_and_of_no_other(model):
+    """Engine.close unpins and unmaps its own pool (on CUDA the next Engine of the process may map one
+    at the same address); a host tier passed in stays its owner's."""
+    worker = WorkerConfig(offload=OffloadConfig(scorer="quest"))  # quest: no calibration pass
+    with Engine(EngineConfig(worker=worker, host_kv_tokens=1024), loaded=model) as engine:
+        own = engine.host.view
+        assert not own.closed
+    assert own.closed
+    tier = HostTier(PoolView.private(64, model.config.kv_layers, KV_HEADS, BLOCK, HEAD_DIM, torch.float32), HostBlocks(64))
+    Engine(EngineConfig(worker=worker), loaded=model, host=tier).close()
+    assert not tier.view.closed
+    tier.view.close()
+
+
+def test_a_worker_is_refused_a_pool_of_the_other_half_precision():
+    layout = pb.PoolLayout(
+        shm_name="unused", num_blocks=4, unit_bytes=unit_bytes(KV_HEADS, BLOCK, HEAD_DIM, 2), num_layers=30, dtype="bfloat16"
+    )
+    with pytest.raises(PoolMismatch, match="units are bfloat16, this worker's KV is float16"):
+        PoolView.attach(layout, KV_HEADS, BLOCK, HEAD_DIM, torch.float16)
+
+
+@pytest.mark.gpu
+def test_a_stale_cuda_registration_fails_clearly_and_leaves_no_cuda_error_behind():
+    """cudaHostRegister's failure is also the thread's last CUDA error, which torch's check after its
+    next kernel launch would raise as that kernel's own: it is cleared."""
+    view = PoolView.private(4, 2, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
+    view.pin()
+    try:
+        with pytest.raises(RuntimeError, match="CUDA error 712"):
+            register_host_range(view.units.data_ptr(), view.units.numel() * 4, CUDA_HOST)
+        assert torch.equal(torch.ones(4, device="cuda").add_(1).cpu(), torch.full((4,), 2.0))  # a kernel launch, checked
+    finally:
+        view.close()
 
 
 # A worker that opens its shared cache as a recall target, then waits to be killed.
@@ -291,7 +414,7 @@ def test_a_cuda_cache_is_refused_clearly_where_it_cannot_be_opened(kv_store):
     try:
         client.register(worker_id=8)
         cuda = pb.CudaCache(device=0, memory_handle=b"not a handle", storage_bytes=1 << 30, ready_event=b"x", landed_event=b"y")
-        target = recall_target(CacheShape(30, 64, KV_HEADS, HEAD_DIM, BLOCK), 8, cuda=cuda)
+        target = recall_target(CacheShape(30, 64, KV_HEADS, HEAD_DIM, BLOCK), 8, "float32", cuda=cuda)
         expected = "CUDA IPC handles did not open" if torch.cuda.is_available() else "sees no CUDA device"
         with pytest.raises(ValueError, match=expected):
             client.open_recall(target)

@@ -23,6 +23,7 @@ from pulseinfer.gpu_worker.sparse import AttentionMass, BlockSummaries, Scorer
 from pulseinfer.kernels.attention import GatherWorkspace
 from pulseinfer.kv_store.allocator import PoolExhausted
 from pulseinfer.kv_store.client import HostPoolLost, KVStoreUnavailable
+from pulseinfer.kv_store.cuda_ipc import CopyStream
 from pulseinfer.scheduler.plan import Chunk, RecallStats, StepPlan
 
 log = logging.getLogger("gpu_worker")
@@ -43,6 +44,7 @@ class OffloadManager:
         self.mass = AttentionMass() if config.measure_attention_mass else None
         # the I/O engine of this worker: one thread, so recalls run while the compute thread goes on
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulseinfer-io")
+        self.copies = CopyStream(cache.k.device) if cache.k.is_cuda else None  # its recalls' own stream (in-process pool)
         self.workspace = GatherWorkspace()  # the attention-mass measurement's context gathers
         self.seqs: dict[str, OffloadedSeq] = {}
         num_layers = cache.shape.num_layers
@@ -191,7 +193,8 @@ class OffloadManager:
         ctx = StepContext(
             self.cache, self.view, self.geometry, self.policy, self.scorer, self.hot, self.counters, self.mass, self.workspace
         )
-        queue = RecallQueue(self.io, HostCopier(self.view, self.remote, self.cache, self.policy.per_head), self.counters, self.policy)
+        copier = HostCopier(self.view, self.remote, self.cache, self.policy.per_head, self.copies)
+        queue = RecallQueue(self.io, copier, self.counters, self.policy)
         return OffloadStep(ctx, [self.seqs[c.seq_id] for c in chunks], chunks, batch, queue, root=True)
 
     def stats(self) -> dict[str, int | float | list | dict | None]:

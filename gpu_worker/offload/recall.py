@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as ResultTimeout  # before Python 3.11 not the builtin TimeoutError
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from pulseinfer.common.syncs import to_device
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.config import RecallPolicy
 from pulseinfer.gpu_worker.offload.counters import RecallCounters
 from pulseinfer.kernels.gather_scatter import recall
 from pulseinfer.kv_store.client import RemoteRecall
+from pulseinfer.kv_store.cuda_ipc import CopyStream
 from pulseinfer.kv_store.view import PoolView
 
 RECALL_PARTS = 8  # with a recall deadline: each layer's gather in this many parts, landing in score order
@@ -49,12 +52,15 @@ class RecallJob:
 @dataclass(frozen=True)
 class HostCopier:
     """Copies units from the host pool into the device cache: the kv_store's I/O engine into the
-    shared cache (`remote`), or this process from its mapping of the pool."""
+    shared cache (`remote`), or this process from its mapping of the pool; on CUDA the recall
+    kernel reads the pinned, mapped pool in place, on `copies`' stream, ordered with compute by its
+    events as the engine's copies are (so recalls overlap compute and no thread waits for the GPU)."""
 
     view: PoolView
     remote: RemoteRecall | None
     cache: PagedKVCache
     per_head: bool
+    copies: CopyStream | None  # on CUDA; None on CPU
 
     def __call__(self, layer: int, recalls: list[Recall]) -> None:
         if self.remote is not None:
@@ -62,14 +68,15 @@ class HostCopier:
             self.remote(layer, [r.host for r in recalls], [r.device for r in recalls], groups)
             return
         k_cache, v_cache = self.cache.layer(layer)
-        host = torch.tensor([r.host for r in recalls], dtype=torch.long)
-        dev = torch.tensor([r.device for r in recalls], dtype=torch.long, device=k_cache.device)
-        heads = torch.tensor([r.group for r in recalls], dtype=torch.long, device=k_cache.device) if self.per_head else None
-        if k_cache.is_cuda:
-            units, index = self.view.read(host, layer, k_cache.device), torch.arange(len(recalls), device=k_cache.device)
-        else:
-            units, index = self.view.units, self.view.unit_rows(host, layer)
-        recall(units, index, k_cache, v_cache, dev, heads)
+        index = torch.tensor([[r.host for r in recalls], [r.device for r in recalls], [r.group for r in recalls]], dtype=torch.long)
+        index[0] = self.view.unit_rows(index[0], layer)
+        if not k_cache.is_cuda:
+            rows, dev, groups = index
+            recall(self.view.units, rows, k_cache, v_cache, dev, groups if self.per_head else None)
+            return
+        with self.copies.copying():
+            rows, dev, groups = to_device([index], k_cache.device)[0]
+            recall(self.view.units, rows, k_cache, v_cache, dev, groups if self.per_head else None, self.view.mapped())
 
 
 class RecallQueue:
@@ -100,7 +107,7 @@ class RecallQueue:
         for job in self.pending.pop(layer, []):
             try:
                 job.future.result(timeout=None if deadline is None else max(0.0, deadline - time.perf_counter()))
-            except TimeoutError:
+            except ResultTimeout:
                 self.landing.append(job)
                 in_flight |= job.in_flight()
         return in_flight
@@ -120,7 +127,7 @@ class RecallQueue:
     def _recall(self, layer: int, job: RecallJob) -> None:
         """One gather of every missed unit of the layer from the host pool, scattered into the hot
         buffers: whole (block, layer) units in pulse mode, one kv head of each in headwise mode.
-        On CUDA the units are staged on the device first (one copy per unit), then scattered.
+        On CUDA one kernel reads the units from the mapped pool and scatters them.
         Without `gather` (the ablation) each unit is its own copy; with a deadline the gather is
         cut in RECALL_PARTS so attention can use the leading (best) units that landed."""
         started = time.perf_counter()

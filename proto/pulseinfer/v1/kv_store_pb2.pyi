@@ -73,7 +73,7 @@ class DropPrefixCache(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRecallTarget(_message.Message):
-    __slots__ = ("worker_id", "num_layers", "slots", "kv_heads", "head_dim", "block_size", "cuda")
+    __slots__ = ("worker_id", "num_layers", "slots", "kv_heads", "head_dim", "block_size", "cuda", "dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class OpenRecallTarget(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     num_layers: int
     slots: int
@@ -88,7 +89,8 @@ class OpenRecallTarget(_message.Message):
     head_dim: int
     block_size: int
     cuda: CudaCache
-    def __init__(self, worker_id: _Optional[int] = ..., num_layers: _Optional[int] = ..., slots: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cuda: _Optional[_Union[CudaCache, _Mapping]] = ...) -> None: ...
+    dtype: str
+    def __init__(self, worker_id: _Optional[int] = ..., num_layers: _Optional[int] = ..., slots: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cuda: _Optional[_Union[CudaCache, _Mapping]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CudaCache(_message.Message):
     __slots__ = ("device", "memory_handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "sync_event", "sync_required", "ready_event", "landed_event")
@@ -141,16 +143,18 @@ class KVStoreRequest(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ..., open_recall: _Optional[_Union[OpenRecallTarget, _Mapping]] = ..., acquire_prefix: _Optional[_Union[AcquirePrefix, _Mapping]] = ..., name_blocks: _Optional[_Union[NameBlocks, _Mapping]] = ..., drop_prefix_cache: _Optional[_Union[DropPrefixCache, _Mapping]] = ...) -> None: ...
 
 class PoolLayout(_message.Message):
-    __slots__ = ("shm_name", "num_blocks", "unit_bytes", "num_layers")
+    __slots__ = ("shm_name", "num_blocks", "unit_bytes", "num_layers", "dtype")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     UNIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     num_blocks: int
     unit_bytes: int
     num_layers: int
-    def __init__(self, shm_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., unit_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, shm_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., unit_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVStoreStats(_message.Message):
     __slots__ = ("blocks_total", "blocks_free", "owners", "workers", "integrity_error", "engine_recalls", "engine_busy_s", "prefix_cached_blocks", "prefix_evicted_blocks")
