@@ -16,6 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pulseinfer.kernels.compile_cases import AttentionGeometry, CompileCase
+
+# Host blocks per program: 64, fewer at head dims past 128, so that a program's [blocks, dim] kmin
+# and kmax tiles stay within 8192 values each (at 256, 64 blocks spill registers on sm_80 and sm_90).
+QUEST_TILE_BLOCKS, QUEST_TILE_VALUES = 64, 8192
+
 
 def quest_weights(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """q [..., q_heads, dim] -> [..., 2, kv_heads, dim] fp32: each GQA group's summed positive
@@ -57,16 +63,31 @@ def _quest_kernel(w_ptr, kmin_ptr, kmax_ptr, out_ptr, n, H: tl.constexpr, D: tl.
     tl.store(out_ptr + head * n + blocks, score, mask=blocks < n)
 
 
-def quest_scores_triton(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_head: bool, tile: int = 64) -> torch.Tensor:
+def _quest_constexprs(kv_heads: int, dim: int) -> dict[str, int]:
+    """What the kernel is specialized on: quest_scores_triton launches with these, compile_cases compiles them."""
+    padded = triton.next_power_of_2(dim)
+    return {"H": kv_heads, "D": dim, "DP": padded, "TILE": min(QUEST_TILE_BLOCKS, QUEST_TILE_VALUES // padded)}
+
+
+def quest_scores_triton(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_head: bool) -> torch.Tensor:
     """The same as quest_scores_ref: one program per (kv head, tile of blocks)."""
     _check(weights, kmin, kmax)
     n, heads, dim = kmin.shape
     out = torch.empty((heads, n), dtype=torch.float32, device=kmin.device)
     if n:
-        grid = (heads, triton.cdiv(n, tile))
-        w = weights.float().contiguous()
-        _quest_kernel[grid](w, kmin.contiguous(), kmax.contiguous(), out, n, H=heads, D=dim, DP=triton.next_power_of_2(dim), TILE=tile)
+        constexprs = _quest_constexprs(heads, dim)
+        grid = (heads, triton.cdiv(n, constexprs["TILE"]))
+        _quest_kernel[grid](weights.float().contiguous(), kmin.contiguous(), kmax.contiguous(), out, n, **constexprs)
     return out if per_head else out.sum(dim=0, keepdim=True)
+
+
+def compile_cases(geometry: AttentionGeometry, dtype: torch.dtype) -> list[CompileCase]:
+    """The compile gate's cases (kernels/compile_cases.py). The summaries and weights are fp32 whatever
+    the cache's dtype, so every dtype gives the same case."""
+    constexprs = _quest_constexprs(geometry.kv_heads, geometry.head_dim)
+    pointers = dict.fromkeys(("w_ptr", "kmin_ptr", "kmax_ptr", "out_ptr"), "*fp32")
+    signature = {**pointers, "n": "i32", **dict.fromkeys(constexprs, "constexpr")}
+    return [CompileCase("quest_scores", _quest_kernel, signature, constexprs)]
 
 
 def quest_scores(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_head: bool) -> torch.Tensor:

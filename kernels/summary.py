@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pulseinfer.kernels.compile_cases import AttentionGeometry, CompileCase, pointer
+
 
 def _check(k_blocks: torch.Tensor) -> None:
     if k_blocks.dim() != 4 or not k_blocks.is_floating_point():
@@ -31,6 +33,11 @@ def _minmax_kernel(k_ptr, kmin_ptr, kmax_ptr, B: tl.constexpr, BP: tl.constexpr,
     tl.store(kmax_ptr + out, tl.max(tl.where(mask, k, float("-inf")), axis=0), mask=d < D)
 
 
+def _minmax_constexprs(block_size: int, kv_heads: int, dim: int) -> dict[str, int]:
+    """What the kernel is specialized on: block_minmax_triton launches with these, compile_cases compiles them."""
+    return {"B": block_size, "BP": triton.next_power_of_2(block_size), "H": kv_heads, "D": dim, "DP": triton.next_power_of_2(dim)}
+
+
 def block_minmax_triton(k_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same as block_minmax_ref: one program per (block, kv head) reducing a [block_size, dim] tile."""
     _check(k_blocks)
@@ -39,8 +46,15 @@ def block_minmax_triton(k_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     kmin = torch.empty((n, H, D), dtype=torch.float32, device=k.device)
     kmax = torch.empty_like(kmin)
     if n:
-        _minmax_kernel[(n, H)](k, kmin, kmax, B=B, BP=triton.next_power_of_2(B), H=H, D=D, DP=triton.next_power_of_2(D))
+        _minmax_kernel[(n, H)](k, kmin, kmax, **_minmax_constexprs(B, H, D))
     return kmin, kmax
+
+
+def compile_cases(geometry: AttentionGeometry, dtype: torch.dtype) -> list[CompileCase]:
+    """The compile gate's cases (kernels/compile_cases.py): the summaries of a cache of `dtype` keys."""
+    constexprs = _minmax_constexprs(geometry.block_size, geometry.kv_heads, geometry.head_dim)
+    signature = {"k_ptr": pointer(dtype), "kmin_ptr": "*fp32", "kmax_ptr": "*fp32", **dict.fromkeys(constexprs, "constexpr")}
+    return [CompileCase("block_minmax", _minmax_kernel, signature, constexprs)]
 
 
 def block_minmax(k_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

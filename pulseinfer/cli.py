@@ -99,7 +99,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from pulseinfer.bench import dense_decode, host_pool, layer_ahead, recall_gather, selection_scorers, serving_overhead
+    from pulseinfer.bench import dense_decode, host_pool, kernels_compile, layer_ahead, recall_gather, selection_scorers, serving_overhead
     from pulseinfer.bench import serve as serve_bench
     from pulseinfer.bench.decode import DecodeBenchConfig
     from pulseinfer.bench.soak import SoakConfig
@@ -124,6 +124,16 @@ def _bench_parser(sub) -> None:
     add_flags(soak, SoakConfig)
     soak.add_argument("--json", type=Path, help="write the report here")
     soak.set_defaults(handler=_bench_soak)
+    compile_gate = kinds.add_parser(
+        "kernels-compile",
+        help="the compile gate: every Triton kernel compiled for sm_90/sm_80 at every shipped geometry (registers, spills, shared memory)",
+        description=kernels_compile.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_flags(compile_gate, kernels_compile.KernelsCompileConfig)
+    compile_gate.add_argument("--json", type=Path, help="write the report here")
+    compile_gate.add_argument("--markdown", type=Path, help="write the table here")
+    compile_gate.set_defaults(handler=_bench_kernels_compile)
     for name, module, config, help_text in (  # the studies behind docs/benchmarks.md and docs/accuracy.md
         ("dense-decode", dense_decode, dense_decode.DenseDecodeBenchConfig, "dense decode tok/s of the engine against HF transformers"),
         (
@@ -174,6 +184,12 @@ def _bench_soak(args: argparse.Namespace) -> int:
     from pulseinfer.bench.soak import SoakConfig, main
 
     return main(from_flags(SoakConfig, args), args.json)
+
+
+def _bench_kernels_compile(args: argparse.Namespace) -> int:
+    from pulseinfer.bench.kernels_compile import KernelsCompileConfig, main
+
+    return main(from_flags(KernelsCompileConfig, args), args.json, args.markdown)
 
 
 def _bench_study(args: argparse.Namespace) -> int:
