@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,8 +42,7 @@ class PoolView:
         self._unit_shape = (2, kv_heads, block_size, head_dim)
         self.kv_heads = kv_heads
         self.unit_bytes = self._units.shape[1] * self._units.element_size()
-        self._pinned: list[tuple[int, int]] = []  # what pin() registered with CUDA; close() unregisters it
-        self._host: HostRegistrar | None = None
+        self._unpin: weakref.finalize | None = None  # unregisters what pin() registered: at close(), or when collected
 
     @classmethod
     def attach(cls, layout: kv_store_pb2.PoolLayout, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PoolView:
@@ -111,14 +111,17 @@ class PoolView:
     def pin(self, host: HostRegistrar | None = None) -> None:
         """Registers the mapping with CUDA (page-locked, mapped): DMAs to and from it need no bounce
         buffer, and kernels read and write it in place through UVA (`mapped`)."""
-        if self._pinned:
+        if self._unpin is not None:
             raise ValueError("this view of the host KV pool is pinned already")
-        self._host = host or CUDA_HOST
-        self._pinned = register_host_range(self._units.data_ptr(), self._units.numel() * self._units.element_size(), self._host)
+        host = host or CUDA_HOST
+        pinned = register_host_range(self._units.data_ptr(), self._units.numel() * self._units.element_size(), host)
+        # a view dropped unclosed (an error path, a reference cycle) must not leave a stale registration
+        # behind: the next mapping at its address could not be pinned
+        self._unpin = weakref.finalize(self, unregister_host_ranges, pinned, host)
 
     def mapped(self) -> MappedHost:
         """The pool as the kernels take it on CUDA: its host address, which the launcher maps to the device's."""
-        if not self._pinned:
+        if self._unpin is None:
             raise ValueError("CUDA reaches the host KV pool only once it is pinned: PoolView.pin() first")
         return MappedHost(self._units.data_ptr(), self._units.dtype)
 
@@ -131,9 +134,8 @@ class PoolView:
         registration outlives the mapping, and the next mapping at its address could not be pinned."""
         if self.closed:
             return
-        pinned, self._pinned = self._pinned, []
-        if pinned:
-            unregister_host_ranges(pinned, self._host)
+        if self._unpin is not None:
+            self._unpin()  # runs once: a later collection does nothing
         del self.blocks, self._units
         self._map.close()
 

@@ -342,9 +342,11 @@ def step_decode_matches_cpu(check: CheckConfig, sizes: Sizes) -> dict:
     """Greedy tokens on the device under test in float32 equal the CPU's, per model and mode; pulse
     at a covering budget also equals dense on each device."""
     from pulseinfer.gpu_worker.model.loader import load_model
+    from pulseinfer.gpu_worker.runner import WorkerConfig
 
     prompts = random_prompts(sizes.prompt_lengths)
-    full_budget = max(sizes.prompt_lengths) + sizes.output_tokens
+    block = WorkerConfig.block_size  # make_engine's: a budget is whole blocks
+    full_budget = -(-(max(sizes.prompt_lengths) + sizes.output_tokens) // block) * block
     modes = {"dense": None, "pulse_full": full_budget, "pulse_sparse": sizes.sparse_budget}
     details, failures = {}, []
     for geometry, layers in sizes.equality_models:

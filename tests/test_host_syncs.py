@@ -235,7 +235,7 @@ def _decode_steps(counted: Counted, loaded, device: str, mode: str, **offload) -
         engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     finally:
         RowSelector.select = select
-        engine.runner.close()
+        engine.close()  # unpins its host pool on CUDA: the next engine's may map at the same address
     return steps
 
 

@@ -250,13 +250,14 @@ def test_shape_errors_are_clear():
         quest_weights(_randn(HQ, D), 4)  # 9 query heads do not split into 4 groups
     with pytest.raises(ValueError, match="key blocks"):
         block_minmax_triton(_randn(3, B, D))
-    q, cache, lens = _randn(2, HQ, D), _randn(4 * B, H, D), torch.ones(2, dtype=torch.long)
+    q, cache, lens = _randn(2, HQ, D), _randn(4 * B, H, D), torch.ones(2, dtype=torch.long, device=DEVICE)
+    table = torch.zeros(2, 5, dtype=torch.long, device=DEVICE)  # every tensor on the device: only the flaw under test differs
     with pytest.raises(ValueError, match="block_tables"):  # a table per kv head, but H + 1 of them
-        paged_decode_attention_triton(q, cache, cache, torch.zeros(2, H + 1, 5, dtype=torch.long), lens, B, GatherWorkspace())
+        paged_decode_attention_triton(q, cache, cache, table[:, None].expand(-1, H + 1, -1), lens, B, GatherWorkspace())
     with pytest.raises(ValueError, match="does not fit"):  # the cache in another dtype
-        paged_decode_attention_triton(q.bfloat16(), cache, cache, torch.zeros(2, 5, dtype=torch.long), lens, B, GatherWorkspace())
+        paged_decode_attention_triton(q.bfloat16(), cache, cache, table, lens, B, GatherWorkspace())
     with pytest.raises(ValueError, match="splits"):
-        paged_decode_attention_triton(q, cache, cache, torch.zeros(2, 5, dtype=torch.long), lens, B, GatherWorkspace(), splits=0)
+        paged_decode_attention_triton(q, cache, cache, table, lens, B, GatherWorkspace(), splits=0)
     wide = _randn(4 * B, H, 320)
     with pytest.raises(ValueError, match="head_dim 320"):
-        paged_decode_attention_triton(_randn(2, HQ, 320), wide, wide, torch.zeros(2, 5, dtype=torch.long), lens, B, GatherWorkspace())
+        paged_decode_attention_triton(_randn(2, HQ, 320), wide, wide, table, lens, B, GatherWorkspace())

@@ -3,6 +3,7 @@ I/O engine recalling into a worker's shared KV cache."""
 
 from __future__ import annotations
 
+import gc
 import json
 import mmap
 import subprocess
@@ -276,6 +277,18 @@ def test_a_pinned_view_is_unpinned_when_closed_and_a_stale_registration_at_its_a
     stale = {fresh.units.data_ptr(): size}
     fresh.close()
     assert cuda.registered == stale  # not this view's to let go
+
+
+def test_a_pinned_view_dropped_unclosed_unpins_when_collected():
+    """An error path or a reference cycle that drops a view without close() leaves no stale registration."""
+    cuda = FakeCuda()
+    view = PoolView.private(4, 2, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
+    view.pin(cuda.host)
+    view.cycle = view  # only the cycle collector frees it
+    assert cuda.registered
+    del view
+    gc.collect()
+    assert cuda.registered == {}
 
 
 def test_the_engine_pins_the_pool_at_start_up_and_refuses_a_cache_of_the_other_half_precision():

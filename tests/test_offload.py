@@ -99,8 +99,8 @@ def test_full_budget_offload_equals_dense_on_cuda(dummy_qwen3):
         # float32: on random weights the top logits lie closer than bfloat16 rounding, and only
         # the order of the attention's sums differs between the two paths
         worker = WorkerConfig(device="cuda", dtype="float32", device_kv_tokens=16384, offload=OffloadConfig(**offload))
-        engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload=policy), host_kv_tokens=16384), loaded=dummy_qwen3)
-        completions = engine.generate(prompts, GREEDY_32)
+        with Engine(EngineConfig(worker=worker, batcher=BatcherConfig(offload=policy), host_kv_tokens=16384), loaded=dummy_qwen3) as engine:
+            completions = engine.generate(prompts, GREEDY_32)
         assert all(c.offloaded == (policy == "always") for c in completions)
         return [c.token_ids for c in completions]
 

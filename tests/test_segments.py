@@ -91,7 +91,7 @@ def test_the_kv_store_opens_only_the_cache_it_derives_and_unlinks_nothing_live(k
         client.call(pb.KVStoreRequest(register=pb.RegisterWorker(worker_id=3, pid=os.getpid())))
         client.call(pb.KVStoreRequest(register=pb.RegisterWorker(worker_id=3, pid=1)))
         assert live.path.exists()
-        target = pb.OpenRecallTarget(worker_id=3, num_layers=30, slots=16, kv_heads=3, head_dim=64, block_size=16)
+        target = pb.OpenRecallTarget(worker_id=3, num_layers=30, slots=16, kv_heads=3, head_dim=64, block_size=16, dtype="float32")
         with pytest.raises(ValueError, match="pulseinfer-cache-1:|No such file"):
             client.open_recall(target)  # pid 1 has no cache segment: nothing else is tried
     finally:
