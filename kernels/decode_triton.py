@@ -59,7 +59,8 @@ def num_splits(programs: int, max_ctx: int, sm_count: int) -> int:
     return max(1, min(MAX_SPLITS, triton.cdiv(WAVES * sm_count, programs), max_ctx // MIN_SPLIT))
 
 
-@triton.jit
+# table strides and widths vary with the batch: unspecialized, one compile serves them all
+@triton.jit(do_not_specialize=["table_row_stride", "table_head_stride", "max_blocks"])
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -122,7 +123,7 @@ def _split_kernel(
     tl.store(lse_ptr + out_rows, tl.where(total > 0, best + tl.log2(norm), float("-inf")), mask=g < G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, splits, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
     q_row = tl.program_id(0).to(tl.int64)  # request * q_heads + query head
     s = tl.arange(0, SP)

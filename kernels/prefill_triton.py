@@ -25,7 +25,9 @@ import triton.language as tl
 from pulseinfer.kernels.compile_cases import AttentionGeometry, CompileCase, pointer
 
 
-@triton.jit
+# integers left unspecialized: Triton would compile a variant for each that is 1 or a multiple of 16,
+# and chunk lengths and positions vary with every request (a JIT stall in the middle of serving)
+@triton.jit(do_not_specialize=["n", "num_keys", "block_size", "q_start", "key_start", "window"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,

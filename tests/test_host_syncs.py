@@ -304,9 +304,12 @@ def test_to_device_and_to_host_move_any_tensors_in_one_buffer():
         assert all(torch.equal(a, b) for a, b in zip(moved, parts))
         assert moved[0].untyped_storage().data_ptr() == moved[-1].untyped_storage().data_ptr()  # one buffer, one copy
         assert all(a.data_ptr() != b.data_ptr() for a, b in zip(moved, parts) if a.numel())  # new tensors
+        assert all(t.data_ptr() % 16 == 0 for t in moved)  # each part 16-byte aligned: one Triton specialization
     assert to_host([]) == [] and to_device([], torch.device("cpu")) == []
+    wide = torch.randn(3, dtype=torch.complex128)  # 16-byte elements
+    assert torch.equal(to_host([torch.arange(3, dtype=torch.int8), wide])[1], wide)
     with pytest.raises(ValueError, match="cannot pack"):
-        to_host([torch.zeros(2, dtype=torch.complex128)])
+        to_host([torch.zeros(2), torch.zeros(2, device="meta")])
     with count_host_syncs() as syncs:
         to_host(parts)
     assert syncs.count == 0  # host tensors: nothing to wait for (and without CUDA nothing is counted)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 
 _SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") warns
-_MAX_ELEMENT = 8  # bytes: the element sizes packed are powers of two up to this
+ALIGN = 16  # bytes: where each packed part starts
 
 
 class HostSyncs:
@@ -81,23 +81,34 @@ def to_host(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _pack(parts: Sequence[torch.Tensor], pin: bool) -> torch.Tensor:
-    """The parts' bytes in one buffer on their device (pinned if `pin`), largest elements first:
-    every part then starts at a multiple of its element size, as viewing it as its dtype needs."""
-    if any(part.element_size() > _MAX_ELEMENT for part in parts):
-        raise ValueError(f"cannot pack {[part.dtype for part in parts]}: elements of more than {_MAX_ELEMENT} bytes")
-    pieces = [parts[i].reshape(-1).view(torch.uint8) for i in _by_size(parts)]
-    if not pin:
-        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
-    return torch.cat(pieces, out=torch.empty(sum(map(len, pieces)), dtype=torch.uint8, pin_memory=True))
+    """The parts' bytes in one buffer on their device (pinned if `pin`), each part at a multiple of
+    ALIGN bytes: viewing it as its dtype needs its element size, and Triton specializes a kernel on
+    whether each pointer is 16-byte aligned, so packed tables and lengths always give the same one."""
+    devices = {part.device for part in parts}
+    if len(devices) > 1:
+        raise ValueError(f"cannot pack tensors of several devices: {sorted(map(str, devices))}")
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8)
+    offsets = _offsets(parts)
+    buffer = parts[0].new_empty(offsets[-1], dtype=torch.uint8, pin_memory=pin)  # on the parts' device
+    for part, start in zip(parts, offsets):
+        buffer[start : start + part.numel() * part.element_size()].copy_(part.reshape(-1).view(torch.uint8))
+    return buffer
 
 
 def _unpack(buffer: torch.Tensor, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The parts' views of a buffer `_pack` made of them."""
-    order = _by_size(parts)
-    pieces = buffer.split([parts[i].numel() * parts[i].element_size() for i in order])
-    views = {i: piece.view(parts[i].dtype).view(parts[i].shape) for i, piece in zip(order, pieces)}
-    return [views[i] for i in range(len(parts))]
+    return [
+        buffer[start : start + part.numel() * part.element_size()].view(part.dtype).view(part.shape)
+        for part, start in zip(parts, _offsets(parts))
+    ]
 
 
-def _by_size(parts: Sequence[torch.Tensor]) -> list[int]:
-    return sorted(range(len(parts)), key=lambda i: -parts[i].element_size())
+def _offsets(parts: Sequence[torch.Tensor]) -> list[int]:
+    """Where each part starts in the packed buffer, and its total size last."""
+    offsets = [0]
+    for part in parts:
+        if part.element_size() > ALIGN:
+            raise ValueError(f"cannot pack {part.dtype}: elements of more than {ALIGN} bytes")
+        offsets.append(offsets[-1] + -(-part.numel() * part.element_size() // ALIGN) * ALIGN)
+    return offsets
