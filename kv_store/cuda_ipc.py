@@ -173,14 +173,16 @@ class CudaTarget:
         worker's GPU on this thread (it serves every worker) but the staged path's. `units` is the
         engine's CPU view of the pool, which the engine registered as mapped."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            rows_on, dst, *head_index = to_device([rows, device_blocks] + ([heads] if heads is not None else []), self.device)
-            self.stream.wait_event(self.ready_event)
             k, v = self.k[layer], self.v[layer]
             if staged(units[0].numel() * units.element_size(), heads, self.staging_min_bytes):
+                (dst,) = to_device([device_blocks], self.device)  # the rows are read on the host: only the blocks move
+                self.stream.wait_event(self.ready_event)
                 # the host gather reads blocks the worker wrote with kernels queued before `ready`: they must have run
                 self.ready_event.synchronize()
                 recall(self.staging.stage(units, rows), torch.arange(rows.numel(), device=self.device), k, v, dst)
             else:
+                rows_on, dst, *head_index = to_device([rows, device_blocks] + ([heads] if heads is not None else []), self.device)
+                self.stream.wait_event(self.ready_event)
                 source = MappedHost(units.data_ptr(), units.dtype)
                 recall_triton(units, rows_on, k, v, dst, head_index[0] if head_index else None, source=source)
 
