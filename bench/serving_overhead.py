@@ -48,21 +48,17 @@ def _echo_worker(address: str, rounds: int) -> None:
     socket.send(b"ready")
     for _ in range(rounds):
         plan = worker_pb2.SchedulerMessage.FromString(socket.recv()).plan
-        tokens = [worker_pb2.SampledToken(seq_id=c.seq_id, token_id=1) for c in plan.chunks]
-        socket.send(worker_pb2.WorkerMessage(result=worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens)).SerializeToString())
+        result = worker_pb2.StepResult(step_id=plan.step_id, handles=plan.decode, token_ids=[1] * len(plan.decode))
+        socket.send(worker_pb2.WorkerMessage(result=result).SerializeToString())
     socket.close()
     context.term()
 
 
 def _plan(batch: int, context_tokens: int, block_size: int = 16) -> worker_pb2.SchedulerMessage:
-    blocks = list(range(context_tokens // block_size))
-    chunks = [
-        worker_pb2.Chunk(
-            seq_id=f"{i:032x}", token_ids=[42], start_pos=context_tokens, block_table=blocks, sampling=worker_pb2.SamplingSpec(seed=i)
-        )
-        for i in range(batch)
-    ]
-    return worker_pb2.SchedulerMessage(plan=worker_pb2.StepPlan(step_id=1, chunks=chunks))
+    """A steady decode step (DESIGN.md §10): a handle per row, plus the new block of the rows that cross one."""
+    crossing = [h for h in range(batch) if (context_tokens + h) % block_size == 0]
+    plan = worker_pb2.StepPlan(step_id=1, decode=range(batch), grant_handles=crossing, grant_blocks=crossing)
+    return worker_pb2.SchedulerMessage(plan=plan)
 
 
 def transport_round_trip(batch: int, context_tokens: int, rounds: int = 2000) -> dict:

@@ -16,6 +16,7 @@ import grpc
 from pulseinfer.common.model.meta import ModelMeta
 from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gateway.metrics import GatewayMetrics
+from pulseinfer.gateway.session import SchedulerSession, Submitted
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 from pulseinfer.scheduler.request import SamplingParams, check_token_ids
 from pulseinfer.scheduler.wire import params_to_proto
@@ -26,6 +27,7 @@ FINISH_NAMES = {
     generate_pb2.FINISH_REASON_ABORT: "abort",
     generate_pb2.FINISH_REASON_ERROR: "error",
 }
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # a refusal's refused_code
 
 
 def key_matches(authorization: str, api_key: str) -> bool:
@@ -80,6 +82,7 @@ class GatewayCore:
         self.tokenizer = meta.tokenizer
         self.model_id = model_id
         self.scheduler = scheduler
+        self.session = SchedulerSession(scheduler)
         self.metrics = metrics
 
     @property
@@ -124,59 +127,67 @@ class GatewayCore:
     async def generate(self, request: Prepared) -> AsyncIterator[Delta | Final]:
         """Streams text deltas, then one Final. Raises GenerationError only before the first event."""
         arrived = time.perf_counter()
-        call = self.scheduler.Schedule(
+        submitted = self.session.submit(
             generate_pb2.ScheduleRequest(
                 request_id=request.request_id, prompt_ids=request.prompt_ids, sampling=params_to_proto(request.params)
             )
         )
         try:
-            await self._accepted(call)
+            await self._accepted(submitted)
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
-            async for event in self._events(call, request, arrived):
+            async for event in self._events(submitted, request, arrived):
                 yield event
         finally:
-            call.cancel()  # no-op once finished; otherwise the scheduler frees the request
+            submitted.close()  # no-op once finished; otherwise the scheduler frees the request
 
-    async def _accepted(self, call) -> None:
-        try:
-            first = await call.read()
-        except grpc.aio.AioRpcError as e:
-            raise GenerationError(e.code(), e.details() or "the scheduler refused the request") from None
-        if first is grpc.aio.EOF or not first.accepted:
-            raise GenerationError(grpc.StatusCode.INTERNAL, "the scheduler closed the request before accepting it")
+    async def _accepted(self, submitted: Submitted) -> None:
+        first = await submitted.first()
+        if first.refused_code:
+            raise GenerationError(STATUS_CODES.get(first.refused_code, grpc.StatusCode.UNKNOWN), first.error)
+        if not first.accepted:  # the session broke before the scheduler answered
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE, first.error or "the scheduler closed the request before accepting it")
 
-    async def _events(self, call, request: Prepared, arrived: float) -> AsyncIterator[Delta | Final]:
+    async def _events(self, submitted: Submitted, request: Prepared, arrived: float) -> AsyncIterator[Delta | Final]:
+        """One Delta per wake-up, however many tokens arrived meanwhile: a gateway that falls
+        behind sends fewer, larger events instead of a growing backlog."""
         stream = TextStream(self.tokenizer, request.params.stop, request.prompt_ids)
         output: list[int] = []
         last_token_at = None
-        try:
-            while (message := await call.read()) is not grpc.aio.EOF:
-                if message.token_ids:
-                    now = time.perf_counter()
-                    if last_token_at is None:
-                        self.metrics.ttft.observe(now - arrived)
-                    else:
-                        self.metrics.itl.observe(now - last_token_at)
-                    last_token_at = now
-                    output.extend(message.token_ids)
-                    self.metrics.generation_tokens.inc(len(message.token_ids))
-                    text = stream.update(output)
-                    if text or not stream.stopped:
-                        yield Delta(text, list(message.token_ids))
-                    if stream.stopped:
-                        yield self._final(request, output, arrived, "stop")
-                        return
-                if message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                    tail = stream.flush()
-                    if tail:
-                        yield Delta(tail, [])
-                    reason = FINISH_NAMES[message.finish_reason]
-                    yield self._final(request, output, arrived, reason, message.error, message.timings, message.cached_tokens)
+        while True:
+            messages = await submitted.pending()
+            tokens = [t for m in messages for t in m.token_ids]
+            if tokens:
+                last_token_at = self._observe_tokens(len(tokens), arrived, last_token_at)
+                output.extend(tokens)
+                text = stream.update(output)
+                if text or not stream.stopped:
+                    yield Delta(text, tokens)
+                if stream.stopped:
+                    yield self._final(request, output, arrived, "stop")
                     return
-        except grpc.aio.AioRpcError as e:
-            yield self._final(request, output, arrived, "error", f"lost the scheduler: {e.details()}")
-            return
-        yield self._final(request, output, arrived, "error", "the scheduler ended the stream without a final message")
+            last = messages[-1]  # a request's final is the last event it gets
+            if last.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                tail = stream.flush()
+                if tail:
+                    yield Delta(tail, [])
+                timings = last.timings if last.HasField("timings") else None
+                yield self._final(request, output, arrived, FINISH_NAMES[last.finish_reason], last.error, timings, last.cached_tokens)
+                return
+
+    def _observe_tokens(self, count: int, arrived: float, last_token_at: float | None) -> float:
+        """Token metrics for `count` tokens arriving now; returns now. Tokens that arrived together
+        share the time since the previous arrival (the first ones: nothing after the first token), so
+        the ITL histogram's sum stays the time from first to last token."""
+        now = time.perf_counter()
+        self.metrics.generation_tokens.inc(count)
+        if last_token_at is None:
+            self.metrics.ttft.observe(now - arrived)
+            gaps, gap = count - 1, 0.0
+        else:
+            gaps, gap = count, (now - last_token_at) / count
+        for _ in range(gaps):
+            self.metrics.itl.observe(gap)
+        return now
 
     def _final(
         self, request: Prepared, output: list[int], arrived: float, reason: str, error: str = "", timings=None, cached_tokens: int = 0

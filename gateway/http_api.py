@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from json.encoder import encode_basestring
 
 import grpc
 from starlette.applications import Starlette
@@ -16,6 +17,8 @@ from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, 
 from pulseinfer.gateway.openai_api import ApiError, ParsedRequest, ResponseShape, finish_reason, parse_body, parse_chat, parse_completion
 
 MAX_REQUEST_BYTES = 2 << 20  # a prompt filling a 32k context is well under 1 MiB of JSON
+_to_json = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps with options builds an encoder per call
+_TEXT_MARK = "\x00text\x00"
 GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.NOT_FOUND: 404,
@@ -168,7 +171,7 @@ class HttpApi:
                 text.append(event.text)
                 event = await anext(events)
         finally:
-            await events.aclose()  # also when cancelled: the scheduler call is cancelled with it
+            await events.aclose()  # also when cancelled: core.generate's finally aborts the request
         if event.finish_reason == "error":
             return error_response(ApiError(503, event.error, code="worker_failed"))
         return JSONResponse(shape.full("".join(text), event))
@@ -180,7 +183,7 @@ class HttpApi:
         await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
         if not task.done():
-            task.cancel()  # the generator's finally cancels the scheduler call
+            task.cancel()  # the generator's finally aborts the request
             return Response(status_code=499)
         return task.result()
 
@@ -188,11 +191,12 @@ class HttpApi:
         # a client that disconnects cancels this generator; core.generate's finally aborts the request
         if shape.chat:
             yield _sse_line(shape.chunk("", role=True))
+        text_line = _text_line_template(shape)
         event = first
         try:
             while isinstance(event, Delta):
                 if event.text:
-                    yield _sse_line(shape.chunk(event.text))
+                    yield text_line(event.text)
                 event = await anext(events)
         finally:
             await events.aclose()
@@ -224,7 +228,15 @@ def _too_large(limit: int) -> ApiError:
 
 
 def _sse_line(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"data: {_to_json(body)}\n\n"
+
+
+def _text_line_template(shape: ResponseShape) -> Callable[[str], str]:
+    """The SSE line of a text chunk, as _sse_line(shape.chunk(text)) writes it, with the request's
+    constant fields serialized once: per event only the text is encoded."""
+    head, mark, tail = _sse_line(shape.chunk(_TEXT_MARK)).rpartition(_to_json(_TEXT_MARK))  # the text is the last field
+    assert mark, "the chunk has no text field"
+    return lambda text: head + encode_basestring(text) + tail
 
 
 async def _disconnected(request: Request) -> None:

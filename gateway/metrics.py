@@ -140,9 +140,23 @@ class GatewayMetrics:
             "prefix_host_hit_tokens": Counter(
                 p + "prefix_cache_host_hits_total", "Of the prefix cache's hits, tokens offloaded requests found in the host tier."
             ),
+            # the control plane (DESIGN.md section 10): busy / (busy + idle) is the share of the worker's time inside its forward
+            "busy_s": Counter(p + "worker_busy_seconds_total", "Time the worker spent inside its forward."),
+            "idle_s": Counter(
+                p + "worker_idle_seconds_total", "Time the worker spent between forwards while it had a plan to run or awaited one."
+            ),
+            "plan_bytes": Counter(p + "plan_bytes_total", "Bytes of the serialized step plans sent to the worker."),
+            "steady_steps": Counter(
+                p + "steady_decode_steps_total", "Steps that only decode running requests (no admission, no prefill chunk)."
+            ),
+            "steady_plan_bytes": Counter(p + "steady_decode_plan_bytes_total", "Bytes of the steady decode steps' plans."),
+            "steady_plan_bytes_max": Gauge(p + "steady_decode_plan_bytes_max", "Bytes of the largest steady decode step's plan."),
+            "inflight": Gauge(p + "plans_in_flight", "Plans sent to the worker whose result has not come back."),
         }
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache (0-1).")
         self.allocators_corrupt = Gauge(p + "kv_allocators_corrupt", "Block allocators failing their self-check (0: healthy).")
+        self.scheduler_cpu = Counter(p + "scheduler_cpu_seconds_total", "CPU time of the scheduler process since it started.")
+        self.overlap = Gauge(p + "overlap", "Overlapped scheduling: 1 when each worker's next plan is queued while it runs a step.")
         self.per_worker = [
             self.offloaded,
             self.offloaded_admissions,
@@ -174,6 +188,8 @@ class GatewayMetrics:
         self.host_prefix_blocks.set(stats.host_prefix_cached_blocks)
         self.host_prefix_evicted.set(stats.host_prefix_evicted_blocks)
         self.allocators_corrupt.set(sum(1 for w in stats.workers if w.integrity_error) + bool(stats.host_integrity_error))
+        self.scheduler_cpu.set(stats.cpu_s)
+        self.overlap.set(float(stats.overlap))
         for metric in self.per_worker:
             metric.reset()
         for w in stats.workers:

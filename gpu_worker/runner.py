@@ -153,6 +153,8 @@ class ModelRunner:
 
     def _run(self, plan: StepPlan, failed: dict[str, str], pick: Pick | None) -> StepOutcome:
         if not plan.chunks:
+            if self.offload is not None:
+                self.offload.name_blocks(plan.names)
             return StepOutcome([], failed)
         started, recalled = time.perf_counter(), self._recalled()
         batch = build_batch(plan, self.cache.spec.block_size, self.device)
@@ -164,7 +166,7 @@ class ModelRunner:
         sampled = [c for c in plan.chunks if c.sampling is not None]
         picked = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
         if self.offload is not None:  # after sampling, whose read has drained the stream that naming waits for
-            self.offload.name_blocks(plan.chunks)
+            self.offload.name_blocks(plan.names)
         tokens = []
         for chunk, token in zip(sampled, picked):
             if isinstance(token, str):  # a row that could not be sampled fails its own request, not the step
@@ -186,4 +188,4 @@ class ModelRunner:
             plan, failed = self.offload.admit(replace(plan, chunks=tuple(c for c in plan.chunks if c.seq_id not in refused)))
             return plan, refused | failed
         refused |= {c.seq_id: "this worker has no host KV pool to offload to" for c in plan.chunks if c.offloaded}
-        return StepPlan(plan.step_id, tuple(c for c in plan.chunks if c.seq_id not in refused)), refused
+        return replace(plan, chunks=tuple(c for c in plan.chunks if c.seq_id not in refused)), refused

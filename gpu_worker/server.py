@@ -10,16 +10,21 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import zmq
 
+from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.common.peer import PeerLoss
-from pulseinfer.gpu_worker.model.loader import LoadedModel
-from pulseinfer.gpu_worker.offload.config import HostTier
-from pulseinfer.gpu_worker.runner import ModelRunner, WorkerConfig
+from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
+from pulseinfer.gpu_worker.offload.manager import OffloadManager
+from pulseinfer.gpu_worker.requests import RequestTable
+from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
-from pulseinfer.scheduler.wire import plan_from_proto, recall_to_proto, tokens_to_proto
+from pulseinfer.scheduler.plan import StepOutcome, StepPlan
+from pulseinfer.scheduler.wire import recall_to_proto
 
 log = logging.getLogger("gpu_worker")
 POLL_MS = 200  # how soon a shutdown signal is noticed while idle
@@ -37,6 +42,9 @@ class WorkerServiceConfig:
     # the kv_store's I/O engine copies recalls into this worker's cache (CPU: in shared memory;
     # CUDA: exported with CUDA IPC); off: the worker's own I/O thread copies them from its mapping of the pool
     engine_recalls: bool = True
+    # a benchmark tool (`pulseinfer bench control-plane`): > 0 replaces the model with a forward of this
+    # fixed time that holds no KV and samples deterministic tokens (gpu_worker/simulated.py)
+    simulate_step_ms: float = 0.0
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
 
@@ -44,42 +52,80 @@ def step_identity(worker_id: int, pid: int) -> bytes:
     return f"w{worker_id}-{pid}".encode()
 
 
+class StepRunner(Protocol):
+    """What runs a worker's steps: the model (gpu_worker/runner.py ModelRunner), or the benchmarks'
+    simulated forward (gpu_worker/simulated.py)."""
+
+    cache_spec: KVCacheSpec
+    offload_blocks: int
+    max_running: int
+    offload: OffloadManager | None
+
+    def execute(self, plan: StepPlan) -> StepOutcome: ...
+
+    def release_all(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the heartbeat tells the scheduler of the model."""
+
+    config: ModelConfig
+    name: str
+    eos_id: int | None
+
+
 class Worker:
-    def __init__(self, config: WorkerServiceConfig, loaded: LoadedModel, host: HostTier | None):
+    def __init__(self, config: WorkerServiceConfig, runner: StepRunner, model: ServedModel, host_lost: Callable[[], bool] | None = None):
+        """`host_lost`: whether the kv_store holding the offloaded requests' KV went away (None: no host tier)."""
         self.config = config
-        self.runner = ModelRunner(loaded, config.worker, host)
-        self.host_lost = host.lost if host is not None else None
-        spec = self.runner.cache_spec
-        model_config = loaded.config
+        self.runner = runner
+        self.host_lost = host_lost
+        self.table = RequestTable(model.eos_id, windowed=runner.max_running > 0)
+        self._last_forward_end: float | None = None
+        spec = runner.cache_spec
         self.heartbeat = worker_pb2.Heartbeat(
             worker_id=config.worker_id,
             pid=os.getpid(),
             device_blocks_total=spec.num_blocks,
             block_size=spec.block_size,
-            max_position=model_config.max_position,
-            vocab_size=model_config.vocab_size,
-            model=loaded.source.name,
-            offload_blocks=self.runner.offload_blocks,
-            max_running=self.runner.max_running,
+            max_position=model.config.max_position,
+            vocab_size=model.config.vocab_size,
+            model=model.name,
+            offload_blocks=runner.offload_blocks,
+            max_running=runner.max_running,
         )
-        if loaded.tokenizer.eos_id is not None:
-            self.heartbeat.eos_id = loaded.tokenizer.eos_id
+        if model.eos_id is not None:
+            self.heartbeat.eos_id = model.eos_id
 
-    def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
-        started = time.perf_counter()
+    def execute(self, message: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        """One step. Busy: the time inside the runner; idle: from the end of the previous step's
+        forward to the start of this one (results out, the plan in, the request table)."""
+        result = worker_pb2.StepResult(step_id=message.step_id)
         try:
-            outcome = self.runner.execute(plan_from_proto(plan))
+            plan, refused = self.table.apply(message)
+            started = time.perf_counter()
+            outcome = self.runner.execute(plan)
+            ended = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
-            log.exception("step %d failed", plan.step_id)
-            return worker_pb2.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
-        return worker_pb2.StepResult(
-            step_id=plan.step_id,
-            tokens=tokens_to_proto(outcome.tokens),
-            forward_s=time.perf_counter() - started,
-            failed=[worker_pb2.SequenceError(seq_id=s, error=e) for s, e in outcome.failed.items()],
-            recall=recall_to_proto(outcome.recall),
-            compute_s=outcome.compute_s,
-        )
+            log.exception("step %d failed", message.step_id)
+            self.table.fail_step()
+            self._last_forward_end = None
+            result.error = f"{type(e).__name__}: {e}"
+            return result
+        if self._last_forward_end is not None:
+            result.idle_s = started - self._last_forward_end
+        self._last_forward_end = ended
+        handles, tokens, failed = self.table.record(outcome)
+        result.handles[:] = handles
+        result.token_ids[:] = tokens
+        result.forward_s = ended - started
+        result.compute_s = outcome.compute_s
+        result.recall.CopyFrom(recall_to_proto(outcome.recall))
+        result.failed.extend(worker_pb2.SequenceError(handle=h, error=e) for h, e in (refused | failed).items())
+        return result
 
     def serve(self, context: zmq.Context, stop: threading.Event) -> None:
         socket = context.socket(zmq.DEALER)
@@ -118,7 +164,9 @@ class Worker:
         request finds it gone."""
         if scheduler_loss.happened():
             log.warning("the scheduler went away: freeing the device and host state of the requests it had planned")
+            self.table.clear()
             self.runner.release_all()
+            self._last_forward_end = None
         offload = self.runner.offload
         if offload is not None and self.host_lost is not None and self.host_lost():
             log.warning("the kv_store went away: dropping %d offloaded requests and unmapping its pool", len(offload.seqs))

@@ -55,11 +55,17 @@ class ServeConfig:
     worker_timeout_s: float = SchedulerConfig.worker_timeout_s
     kv_store_timeout_s: float = WorkerServiceConfig.kv_store_timeout_s  # a worker's wait for a kv_store answer
     startup_timeout_s: float = 300.0
+    overlap: str = SchedulerConfig.overlap  # overlapped scheduling: each worker's next plan queued while it runs a step
+    # a benchmark tool (`pulseinfer bench control-plane`): > 0 gives every worker a forward of this fixed
+    # time in place of the model (gpu_worker/simulated.py)
+    simulate_step_ms: float = WorkerServiceConfig.simulate_step_ms
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
 
     def __post_init__(self) -> None:
         check_mode(self.worker.mode, self.batcher.offload)
+        if not self.simulate_step_ms >= 0:
+            raise ValueError(f"--simulate-step-ms must be >= 0 (0: the model's own forward), got {self.simulate_step_ms}")
 
 
 class Child:
@@ -147,6 +153,7 @@ class Cluster:
             workers_bind=workers,
             kv_store=kv,
             worker_timeout_s=config.worker_timeout_s,
+            overlap=config.overlap,
             batcher=config.batcher,
         )
         gateway_config = GatewayConfig(
@@ -171,6 +178,7 @@ class Cluster:
                         kv_store=kv,
                         worker_id=i,
                         kv_store_timeout_s=config.kv_store_timeout_s,
+                        simulate_step_ms=config.simulate_step_ms,
                         worker=config.worker,
                     )
                 ),

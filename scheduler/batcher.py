@@ -6,15 +6,16 @@ Pure Python, no I/O: the scheduler process and the in-process engine drive the s
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pulseinfer.kv_store.allocator import BlockAllocator
 from pulseinfer.kv_store.prefix_cache import ROOT, HostPrefix, PrefixCache, chain_hashes
 from pulseinfer.scheduler.admission import LinkModel
-from pulseinfer.scheduler.plan import Chunk, RecallStats, SampledToken, StepPlan
+from pulseinfer.scheduler.plan import PENDING_TOKEN, Admission, BlockNames, Chunk, RecallStats, SampledToken, StepPlan
 from pulseinfer.scheduler.request import FinishReason, SeqStatus, Sequence
 
 OFFLOAD_POLICIES = ("never", "auto", "always")
@@ -79,6 +80,11 @@ class Batcher:
         self._held: set[str] = set()
         # requests that ended whose worker holds state of its own (host blocks, window rings), for the next plan
         self.released: list[str] = []
+        self.handles = Handles()
+        self._admitted: list[Admission] = []  # for the next plan
+        # requests whose worker has not yet freed what it held for them (the plan releasing them has
+        # not come back): the host tier's blocks of such a request's id are not taken again until it has
+        self._releasing: dict[str, int | None] = {}  # seq_id -> the step that releases it (None: the next)
         cached = config.prefix_cache == "on" and not limits.max_running
         self.prefix = PrefixCache(allocator) if cached else None
         self.host = host if cached and limits.offload_blocks else None
@@ -120,20 +126,33 @@ class Batcher:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.released)
+        return bool(self.waiting or self.running or self.released or self.handles.ended)
 
     # ------------------------------------------------------------ one step
 
     def schedule(self) -> StepPlan | None:
+        """The next step. It may be planned while earlier ones run (overlapped scheduling): a decode
+        row then feeds the token its worker samples in the step before (PENDING_TOKEN here)."""
         if self.config.mixed_steps:
             chunks = self._decode_chunks()
             chunks += self._prefill_chunks()
         else:
             chunks = self._prefill_chunks() or self._decode_chunks()
-        if not chunks and not self.released:
+        if not chunks and not self.released and not self.handles.ended:
             return None
+        step_id = next(self._step_ids)
         released, self.released = tuple(self.released), []
-        return StepPlan(next(self._step_ids), tuple(chunks), released)
+        for seq_id in released:
+            self._releasing[seq_id] = step_id
+        admitted, self._admitted = tuple(self._admitted), []
+        names = self._host_names()
+        return StepPlan(step_id, tuple(chunks), released, names, self.handles.send_ended(step_id), admitted)
+
+    def step_done(self, step_id: int) -> None:
+        """A step's result came back (whatever it says): its worker ran everything planned up to it."""
+        self.handles.step_done(step_id)
+        for seq_id in [s for s, step in self._releasing.items() if step is not None and step <= step_id]:
+            del self._releasing[seq_id]
 
     def _prefill_chunks(self) -> list[Chunk]:
         """Up to the prefill budget: chunks of running requests still in prefill, then of waiting ones (FCFS)."""
@@ -154,7 +173,8 @@ class Batcher:
             chunk = self._first_chunk(seq, budget)
             if chunk is None:
                 break
-            self._record_prefix_hit(seq)
+            self._admitted.append(self._admission(seq, chunk))
+            self._record_prefix_hit(seq, chunk.start_pos)
             self.num_offloaded += seq.offloaded
             self._held.discard(seq.seq_id)
             self.waiting.popleft()
@@ -169,17 +189,22 @@ class Batcher:
         self.link.observe(plan, recall, compute_s)
 
     def commit(self, plan: StepPlan, sampled: list[SampledToken]) -> list[Sequence]:
-        """Applies a step's results; returns the sequences that finished in it."""
-        by_id = {s.seq_id: s for s in self.running}
+        """Applies a step's results; returns the sequences that finished in it. A chunk of an admission
+        that has ended since (finished, aborted, preempted: its handle is gone) changes nothing."""
+        self.step_done(plan.step_id)
+        by_id = {}
         for chunk in plan.chunks:
-            if chunk.seq_id in by_id:  # absent when aborted while the step ran
-                by_id[chunk.seq_id].num_cached = chunk.end_pos
-                self._name_blocks(by_id[chunk.seq_id])
+            seq = self.handles.running.get(chunk.handle)
+            if seq is not None:
+                by_id[chunk.seq_id] = seq
+                seq.num_computed = max(seq.num_computed, chunk.end_pos)
+                self._name_blocks(seq)
         finished = []
         for token in sampled:
             seq = by_id.get(token.seq_id)
-            if seq is None:
+            if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue
+            seq.num_pending -= 1
             seq.output_ids.append(token.token_id)
             reason = self._finish_reason(seq, token.token_id)
             if reason is not None:
@@ -193,12 +218,25 @@ class Batcher:
     def _decode_chunks(self) -> list[Chunk]:
         chunks = []
         for seq in list(self.running):
-            if seq.in_prefill or seq.status is not SeqStatus.RUNNING:
+            if seq.in_prefill or seq.status is not SeqStatus.RUNNING or self._last_planned(seq):
                 continue
             if not self._reserve(seq, seq.length):
                 continue  # seq itself was preempted
-            chunks.append(self._chunk(seq, seq.length - 1, seq.length))
+            chunks.append(self._decode_chunk(seq))
         return chunks
+
+    def _decode_chunk(self, seq: Sequence) -> Chunk:
+        """Its last token: one its worker sampled (fed back: PENDING_TOKEN while a step in flight samples
+        it), or, after a prefill that stopped one short, a known one sent as a one-token prefill chunk."""
+        position = seq.length - 1
+        if position < seq.admitted_length:
+            return self._chunk(seq, position, seq.length, seq.ids(position, seq.length))
+        last = seq.output_ids[-1] if seq.num_pending == 0 else PENDING_TOKEN
+        return self._chunk(seq, position, seq.length, (last,), fed_back=True)
+
+    def _last_planned(self, seq: Sequence) -> bool:
+        """Its last token is sampled by a step in flight (max_tokens or the context reached)."""
+        return seq.num_outputs >= seq.params.max_tokens or seq.length >= self.limits.max_position
 
     def _first_chunk(self, seq: Sequence, budget: int) -> Chunk | None:
         """A placed request's first chunk, after the blocks of its longest cached prefix; None when
@@ -210,43 +248,82 @@ class Batcher:
         else:
             self._reuse_prefix(seq)
             host_prefix = ()
-        chunk = self._prefill_chunk(seq, budget)
+        seq.handle, seq.known_blocks, seq.admitted_length = self.handles.new(seq), 0, seq.num_known
+        seq.num_host_named = len(host_prefix)
+        chunk = self._prefill_chunk(seq, budget, host_prefix)
         if chunk is None:
+            self.handles.unused(seq)
             self._release_blocks(seq)
             return None
-        return replace(chunk, host_prefix=host_prefix) if host_prefix else chunk
+        return chunk
 
-    def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk | None:
+    def _admission(self, seq: Sequence, first: Chunk) -> Admission:
+        """Sampling as of its next token: a first chunk that samples has counted that token pending already."""
+        p = seq.params
+        sampling = first.sampling or seq.sampling_spec()
+        return Admission(
+            seq.handle, seq.seq_id, first.start_pos, seq.num_known, sampling, seq.offloaded, first.host_prefix,
+            p.stop_token_ids, p.ignore_eos,
+        )  # fmt: skip
+
+    def _prefill_chunk(self, seq: Sequence, budget: int, host_prefix: tuple[int, ...] = ()) -> Chunk | None:
         end = min(seq.length, seq.num_cached + budget)
         if not self._grow(seq, end):
             return None
-        return self._chunk(seq, seq.num_cached, end)
+        return self._chunk(seq, seq.num_cached, end, seq.ids(seq.num_cached, end), host_prefix=host_prefix)
 
-    def _chunk(self, seq: Sequence, start: int, end: int) -> Chunk:
-        return Chunk(
-            seq_id=seq.seq_id,
-            token_ids=tuple(seq.all_ids[start:end]),
-            start_pos=start,
-            block_table=tuple(self.allocator.blocks_of(seq.seq_id)),
-            sampling=seq.sampling_spec() if end == seq.length else None,
-            offloaded=seq.offloaded,
-            block_names=self._chunk_names(seq, start, end),
+    def _chunk(
+        self, seq: Sequence, start: int, end: int, token_ids: tuple[int, ...], fed_back: bool = False, host_prefix: tuple[int, ...] = ()
+    ) -> Chunk:
+        """A chunk of positions start..end-1; the KV it writes counts as cached from now on (the worker
+        runs a request's chunks in the order they are sent)."""
+        sampled = end == seq.length
+        chunk = Chunk(
+            seq.seq_id,
+            token_ids,
+            start,
+            self._table(seq),
+            seq.sampling_spec() if sampled else None,
+            seq.offloaded,
+            host_prefix,
+            seq.handle,
+            fed_back,
+            seq.known_blocks,
         )
+        seq.known_blocks = len(chunk.block_table)
+        seq.num_cached = end
+        seq.num_pending += sampled
+        return chunk
 
-    def _chunk_names(self, seq: Sequence, start: int, end: int) -> tuple[bytes, ...]:
-        """Offloaded: the names of the full blocks a chunk completes, for the worker to give the host tier."""
-        if self.host is None or not seq.offloaded:
+    def _table(self, seq: Sequence) -> tuple[int, ...]:
+        """Its device blocks; a table only grows while it runs, so the tuple is rebuilt when it has."""
+        blocks = self.allocator.blocks_of(seq.seq_id)
+        if len(blocks) != len(seq.block_table):
+            seq.block_table = tuple(blocks)
+        return seq.block_table
+
+    def _host_names(self) -> tuple[BlockNames, ...]:
+        """Offloaded requests: the names of their full blocks planned and whose tokens are known (a block
+        a decode row completes a step ahead is named in the plan after its token comes back)."""
+        if self.host is None:
             return ()
-        return tuple(self._names(seq, end // self.limits.block_size)[start // self.limits.block_size :])
+        out = []
+        for seq in self.running:
+            full = min(seq.num_cached, seq.num_known) // self.limits.block_size
+            if seq.offloaded and full > seq.num_host_named:
+                names = self._names(seq, full)[seq.num_host_named :]
+                out.append(BlockNames(seq.seq_id, seq.handle, seq.num_host_named, tuple(names)))
+                seq.num_host_named = full
+        return tuple(out)
 
     # ------------------------------------------------------------ prefix cache
 
     def _names(self, seq: Sequence, count: int) -> list[bytes]:
         """The prefix-cache names of the sequence's first `count` full blocks (computed once)."""
-        have = len(seq.block_names)
+        have, size = len(seq.block_names), self.limits.block_size
         if count > have:
             parent = seq.block_names[-1] if have else ROOT
-            seq.block_names += chain_hashes(seq.all_ids, self.limits.block_size, have, count - have, parent)
+            seq.block_names += chain_hashes(list(seq.ids(have * size, count * size)), size, 0, count - have, parent)
         return seq.block_names[:count]
 
     def cached_prefix_blocks(self, seq: Sequence) -> int:
@@ -266,15 +343,16 @@ class Batcher:
         if self.prefix is None:
             return
         count = len(self.prefix.acquire(seq.seq_id, self._reusable_names(seq)))
-        seq.num_cached, seq.num_named = count * self.limits.block_size, count
+        seq.num_cached = seq.num_computed = count * self.limits.block_size
+        seq.num_named = count
 
     def _reuse_host_prefix(self, seq: Sequence) -> tuple[int, ...]:
         """A request placed offloaded starts from the host blocks of its longest cached prefix, held
         for it from now on (the worker frees them with the request's own)."""
-        if self.host is None or seq.seq_id in self.released:  # its worker frees what it held first: nothing may be taken before
+        if self.host is None or seq.seq_id in self._releasing:  # its worker frees what it held first: nothing may be taken before
             return ()
         blocks = tuple(self.host.acquire(seq.seq_id, self._reusable_names(seq)))
-        seq.num_cached = len(blocks) * self.limits.block_size
+        seq.num_cached = seq.num_computed = len(blocks) * self.limits.block_size
         return blocks
 
     def _host_cached_blocks(self, seq: Sequence) -> int:
@@ -286,12 +364,12 @@ class Batcher:
             seq.host_cached_blocks = self.host.match(self._reusable_names(seq))
         return seq.host_cached_blocks
 
-    def _record_prefix_hit(self, seq: Sequence) -> None:
+    def _record_prefix_hit(self, seq: Sequence, cached: int) -> None:
         """The prompt tokens a request found cached (either tier) when it was first placed, as
         reported and counted."""
         if self.prefix is None or seq.cached_tokens is not None:
             return
-        seq.cached_tokens = min(seq.num_cached, len(seq.prompt_ids))
+        seq.cached_tokens = min(cached, len(seq.prompt_ids))
         self.prefix.stats.queried_tokens += len(seq.prompt_ids)
         self.prefix.stats.hit_tokens += seq.cached_tokens
         self.prefix.stats.host_hit_tokens += seq.cached_tokens if seq.offloaded else 0
@@ -300,7 +378,7 @@ class Batcher:
         """Gives the cache the resident sequence's full blocks computed since the last step."""
         if self.prefix is None or seq.offloaded:
             return
-        full = seq.num_cached // self.limits.block_size
+        full = seq.num_computed // self.limits.block_size
         if full > seq.num_named:
             names = self._names(seq, full)
             self.prefix.insert(names[seq.num_named :], self.allocator.blocks_of(seq.seq_id)[seq.num_named : full])
@@ -404,19 +482,25 @@ class Batcher:
 
     def _release_blocks(self, seq: Sequence) -> None:
         self.allocator.release(seq.seq_id)
-        seq.num_cached = seq.num_named = 0
+        seq.num_cached = seq.num_computed = seq.num_named = 0
+        seq.block_table = ()
 
     def _release(self, seq: Sequence) -> None:
+        """Frees its blocks and ends its admission on its worker; tokens of its steps in flight are dropped."""
         self.allocator.release(seq.seq_id)
         if self.prefix is not None:  # what it leaves cached ages from now, its tail first
             self.prefix.touch(seq.block_names[: seq.num_named])
-        if seq.offloaded or self.limits.max_running:  # the worker holds state of its own for it
-            self.released.append(seq.seq_id)
+        if seq.handle >= 0:
+            self.handles.end(seq)
+            if seq.offloaded or self.limits.max_running:  # the worker holds state of its own for it
+                self.released.append(seq.seq_id)
+                self._releasing[seq.seq_id] = None
+        seq.num_pending, seq.block_table = 0, ()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_cached = seq.num_named = 0
+        seq.num_cached = seq.num_computed = seq.num_named = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
@@ -434,3 +518,48 @@ class Batcher:
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+
+class Handles:
+    """Compact integer names of a worker's running admissions, inside the cluster. A handle is used
+    again only once the results of every step planned before its admission ended have come back, so a
+    late result can never be taken for another request's; the smallest free one first keeps them short
+    on the wire."""
+
+    def __init__(self) -> None:
+        self.running: dict[int, Sequence] = {}
+        self.ended: list[int] = []  # for the next plan
+        self._free: list[int] = []  # a heap
+        self._next = 0
+        self._retiring: deque[tuple[int, list[int]]] = deque()  # (step that released them, handles)
+
+    def new(self, seq: Sequence) -> int:
+        handle = heapq.heappop(self._free) if self._free else self._take_next()
+        self.running[handle] = seq
+        return handle
+
+    def _take_next(self) -> int:
+        self._next += 1
+        return self._next - 1
+
+    def unused(self, seq: Sequence) -> None:
+        """An admission that was never sent."""
+        del self.running[seq.handle]
+        heapq.heappush(self._free, seq.handle)
+        seq.handle = -1
+
+    def end(self, seq: Sequence) -> None:
+        del self.running[seq.handle]
+        self.ended.append(seq.handle)
+        seq.handle = -1
+
+    def send_ended(self, step_id: int) -> tuple[int, ...]:
+        ended, self.ended = tuple(self.ended), []
+        if ended:
+            self._retiring.append((step_id, list(ended)))
+        return ended
+
+    def step_done(self, step_id: int) -> None:
+        while self._retiring and self._retiring[0][0] <= step_id:
+            for handle in self._retiring.popleft()[1]:
+                heapq.heappush(self._free, handle)

@@ -1,15 +1,18 @@
 """The scheduler's engine loop over N workers, free of sockets.
 
 Each worker has its own device KV pool, hence its own batcher and allocator. A request is
-placed on the least loaded live worker; each worker has at most one step in flight, and the
-next step is planned the moment its result arrives (new requests join between steps).
-The server feeds heartbeats and results in and sends out what `dispatch` returns.
+placed on the least loaded live worker. With overlapped scheduling (DESIGN.md §10) each worker
+has two steps in flight: while it runs one, the next is already queued at it, planned before the
+running step's tokens are known (its worker feeds them forward), so the worker never waits on the
+scheduler; without it, a worker's next step is planned when its result arrives. New requests join
+at the next plan. The server feeds heartbeats and results in and sends out what `dispatch` returns.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -19,7 +22,7 @@ from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
 from pulseinfer.scheduler.plan import RecallStats, StepPlan
 from pulseinfer.scheduler.request import FinishReason, Sequence
-from pulseinfer.scheduler.wire import params_from_proto, plan_to_proto, recall_from_proto, tokens_from_proto
+from pulseinfer.scheduler.wire import params_from_proto, plan_to_proto, recall_from_proto, tokens_from_result
 
 Sink = Callable[[generate_pb2.ScheduleResponse], None]
 HostPrefixOf = Callable[[int], HostPrefix]  # a worker's view of the host tier's prefix cache, by worker id
@@ -46,7 +49,14 @@ class SchedulerConfig:
     workers_bind: str = "tcp://127.0.0.1:5557"  # workers connect here
     kv_store: str = "tcp://127.0.0.1:5560"
     worker_timeout_s: float = 3.0  # no heartbeat for this long: the worker is dead
+    # on: each worker's next plan is queued while it runs a step, so it never waits on the scheduler
+    # (DESIGN.md §10); off: a worker's next step is planned when its result arrives
+    overlap: str = "on"
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
+
+    def __post_init__(self) -> None:
+        if self.overlap not in ("on", "off"):
+            raise ValueError(f"--overlap must be on or off, got {self.overlap!r}")
 
 
 @dataclass
@@ -58,12 +68,28 @@ class WorkerCounters:
     last_decode_batch: int = 0
     step_overhead_s: float = 0.0
     recall: RecallStats = RecallStats()  # summed over steps
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    plan_bytes: int = 0
+    steady_steps: int = 0
+    steady_plan_bytes: int = 0
+    steady_plan_bytes_max: int = 0
 
-    def record(self, plan: StepPlan, round_trip_s: float, forward_s: float, recall: RecallStats) -> None:
+    def sent(self, plan: StepPlan, size: int) -> None:
+        self.plan_bytes += size
+        if plan.steady and plan.chunks:
+            self.steady_steps += 1
+            self.steady_plan_bytes += size
+            self.steady_plan_bytes_max = max(self.steady_plan_bytes_max, size)
+
+    def record(self, plan: StepPlan, round_trip_s: float, result: worker_pb2.StepResult, recall: RecallStats) -> None:
+        """A step's result; the round trip counts from the plan's sending (with overlap: from the start of the step before)."""
         decode = len(plan.decode_chunks)
         self.steps += 1
         self.recall += recall
-        self.step_overhead_s += max(0.0, round_trip_s - forward_s)
+        self.step_overhead_s += max(0.0, round_trip_s - result.forward_s)
+        self.busy_s += result.forward_s
+        self.idle_s += result.idle_s
         if decode:
             self.decode_steps += 1
             self.decode_tokens += decode
@@ -82,9 +108,8 @@ class WorkerHandle:
         self.vocab_size = beat.vocab_size
         self.batcher = Batcher(batcher_config, self.limits, self.allocator, host)
         self.last_seen = now
-        self.inflight: StepPlan | None = None
-        self.unsent: worker_pb2.SchedulerMessage | None = None  # the inflight plan, when the socket refused it
-        self.sent_at = 0.0
+        self.inflight: deque[tuple[StepPlan, float]] = deque()  # plans sent (oldest first) and when
+        self.unsent: list[bytes] = []  # plans in flight the socket refused, to send again in order
         self.counters = WorkerCounters()
 
     @property
@@ -131,19 +156,18 @@ class SchedulerCore:
             self._lose_worker(handle, f"worker {handle.worker_id} stopped responding")
         return [w.worker_id for w in dead]
 
-    def send_failed(self, identity: bytes, message: worker_pb2.SchedulerMessage) -> None:
+    def send_failed(self, identity: bytes, payload: bytes) -> None:
         """The worker's step socket is not connected (yet, or any more): keep the plan for a retry;
         heartbeats decide whether the worker is dead."""
         handle = self._by_identity(identity)
         if handle is not None:
-            handle.unsent = message
+            handle.unsent.append(payload)
 
-    def take_unsent(self) -> list[tuple[bytes, worker_pb2.SchedulerMessage]]:
+    def take_unsent(self) -> list[tuple[bytes, bytes]]:
         out = []
         for worker in self.workers.values():
-            if worker.unsent is not None:
-                out.append((worker.identity, worker.unsent))
-                worker.unsent, worker.sent_at = None, self.clock()
+            out += [(worker.identity, payload) for payload in worker.unsent]
+            worker.unsent = []
         return out
 
     def _lose_worker(self, handle: WorkerHandle, reason: str) -> None:
@@ -185,43 +209,55 @@ class SchedulerCore:
 
     # ------------------------------------------------------------ steps
 
-    def dispatch(self) -> list[tuple[bytes, worker_pb2.SchedulerMessage]]:
-        """Plans a step for every live worker that is idle and has work."""
+    @property
+    def depth(self) -> int:
+        """Plans in flight per worker: the one it runs, and with overlap the next, queued at it."""
+        return 2 if self.config.overlap == "on" else 1
+
+    def dispatch(self) -> list[tuple[bytes, bytes]]:
+        """Plans steps for every live worker with work, until it has `depth` in flight; returns them serialized."""
         out = []
         for worker in self.workers.values():
-            if worker.inflight is not None or not worker.batcher.has_work():
-                continue
-            plan = worker.batcher.schedule()
-            if plan is None:
-                continue
-            now = self.clock()
-            for chunk in plan.chunks:
-                state = self.requests.get(chunk.seq_id)
-                if state is not None and state.scheduled_at is None:
-                    state.scheduled_at = now
-            worker.inflight, worker.sent_at = plan, now
-            out.append((worker.identity, worker_pb2.SchedulerMessage(plan=plan_to_proto(plan))))
+            while len(worker.inflight) < self.depth and worker.batcher.has_work():
+                plan = worker.batcher.schedule()
+                if plan is None:
+                    break
+                out.append((worker.identity, self._sent(worker, plan)))
         return out
+
+    def _sent(self, worker: WorkerHandle, plan: StepPlan) -> bytes:
+        now = self.clock()
+        for admission in plan.admitted:
+            state = self.requests.get(admission.seq_id)
+            if state is not None and state.scheduled_at is None:
+                state.scheduled_at = now
+        worker.inflight.append((plan, now))
+        payload = worker_pb2.SchedulerMessage(plan=plan_to_proto(plan)).SerializeToString()
+        worker.counters.sent(plan, len(payload))
+        return payload
 
     def on_result(self, identity: bytes, result: worker_pb2.StepResult) -> None:
         worker = self._by_identity(identity)
-        if worker is None or worker.inflight is None or worker.inflight.step_id != result.step_id:
+        if worker is None or not worker.inflight or worker.inflight[0][0].step_id != result.step_id:
             return  # a late answer from a worker already given up on
-        plan, worker.inflight = worker.inflight, None
+        plan, sent_at = worker.inflight.popleft()
         recall = recall_from_proto(result.recall)
-        worker.counters.record(plan, self.clock() - worker.sent_at, result.forward_s, recall)
+        worker.counters.record(plan, self.clock() - sent_at, result, recall)
         worker.batcher.observe(plan, recall, result.compute_s)
         if result.error:
+            worker.batcher.step_done(plan.step_id)
             for chunk in plan.chunks:
-                if (state := self.requests.get(chunk.seq_id)) is not None:
+                if chunk.handle in worker.batcher.handles.running and (state := self.requests.get(chunk.seq_id)) is not None:
                     worker.batcher.abort(chunk.seq_id, FinishReason.ERROR)
                     self._finish(state, FinishReason.ERROR, f"worker {worker.worker_id} failed the step: {result.error}")
             return
-        sampled = tokens_from_proto(result.tokens)
+        sampled = tokens_from_result(plan, result)
         finished = {seq.seq_id for seq in worker.batcher.commit(plan, sampled)}
+        seq_ids = {c.handle: c.seq_id for c in plan.chunks}
         for failure in result.failed:
-            if (state := self.requests.get(failure.seq_id)) is not None:
-                worker.batcher.abort(failure.seq_id, FinishReason.ERROR)
+            seq_id = seq_ids.get(failure.handle)
+            if failure.handle in worker.batcher.handles.running and (state := self.requests.get(seq_id)) is not None:
+                worker.batcher.abort(seq_id, FinishReason.ERROR)
                 self._finish(state, FinishReason.ERROR, f"worker {worker.worker_id}: {failure.error}")
         now = self.clock()
         for token in sampled:
@@ -255,6 +291,8 @@ class SchedulerCore:
             device_blocks_total=sum(w.device_blocks_total for w in workers),
             device_blocks_free=sum(w.device_blocks_free for w in workers),
             workers=workers,
+            cpu_s=time.process_time(),
+            overlap=self.config.overlap == "on",
         )
 
     @staticmethod
@@ -273,6 +311,13 @@ class SchedulerCore:
             max_decode_batch=c.max_decode_batch,
             last_decode_batch=c.last_decode_batch,
             step_overhead_s=c.step_overhead_s,
+            busy_s=c.busy_s,
+            idle_s=c.idle_s,
+            plan_bytes=c.plan_bytes,
+            steady_steps=c.steady_steps,
+            steady_plan_bytes=c.steady_plan_bytes,
+            steady_plan_bytes_max=c.steady_plan_bytes_max,
+            inflight=len(w.inflight),
             preemptions=w.batcher.num_preemptions,
             offloaded=sum(1 for s in w.batcher.running if s.offloaded),
             offloaded_admissions=w.batcher.num_offloaded,

@@ -16,6 +16,9 @@ class SamplingSpec:
     step: int  # index of the token being sampled; with seed, makes sampling stateless and reproducible
 
 
+PENDING_TOKEN = -1  # a decode chunk's input planned a step ahead: the token its worker samples in the step before
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Tokens of one sequence to run through the model at positions start_pos.."""
@@ -26,10 +29,12 @@ class Chunk:
     block_table: tuple[int, ...]
     sampling: SamplingSpec | None  # None: a prefill chunk that does not reach the end of the prompt
     offloaded: bool = False  # block_table is the fixed device footprint; the worker keeps the rest on host
-    # offloaded, the host tier's prefix cache on: the cached host blocks the request starts from (its
-    # first chunk), and the prefix-cache names of the full blocks start_pos // B .. end_pos // B - 1
-    host_prefix: tuple[int, ...] = ()
-    block_names: tuple[bytes, ...] = ()
+    host_prefix: tuple[int, ...] = ()  # offloaded, its first chunk: the cached host blocks it starts from
+    # how the scheduler sends it (scheduler/wire.py): the admission's handle; a decode chunk's input is
+    # the token its worker sampled last (PENDING_TOKEN while unknown); its worker has block_table[:known_blocks]
+    handle: int = -1
+    fed_back: bool = False
+    known_blocks: int = 0
 
     @property
     def end_pos(self) -> int:
@@ -37,15 +42,50 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """What a worker keeps of a request it starts running (worker.proto Admission)."""
+
+    handle: int
+    seq_id: str
+    start_pos: int  # tokens whose KV it starts with (a cached prefix)
+    length: int  # tokens it has at admission: its prefill ends here and samples
+    sampling: SamplingSpec  # step: the index of the first token it samples
+    offloaded: bool
+    host_prefix: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]  # with the model's eos unless ignore_eos: a token that ends it
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class BlockNames:
+    """Prefix-cache names of an offloaded request's full blocks first, first + 1, ..., for its worker
+    to give the host tier once the blocks are written."""
+
+    seq_id: str
+    handle: int
+    first: int
+    names: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class StepPlan:
     step_id: int
     chunks: tuple[Chunk, ...]
     released: tuple[str, ...] = ()  # requests that ended (offloaded, or on a sliding-window model): the worker frees their state first
+    names: tuple[BlockNames, ...] = ()
+    # how the scheduler sends it: the admissions that ended since the last plan, and the ones that start
+    released_handles: tuple[int, ...] = ()
+    admitted: tuple[Admission, ...] = ()
 
     @property
     def decode_chunks(self) -> list[Chunk]:
         """The chunks that decode one token (the rest prefill)."""
         return [c for c in self.chunks if c.sampling is not None and len(c.token_ids) == 1]
+
+    @property
+    def steady(self) -> bool:
+        """Only decode rows of running requests: no admission, no prefill chunk."""
+        return not self.admitted and all(c.fed_back for c in self.chunks)
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,9 @@ class Sequence:
     params: SamplingParams
     seed: int  # params.seed, or one drawn at admission so retries stay reproducible
     output_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0  # tokens whose KV is in the device pool
+    num_cached: int = 0  # tokens whose KV is in the device pool once the steps sent to its worker have run
+    num_computed: int = 0  # of those, the tokens its worker has reported computed
+    num_pending: int = 0  # tokens sampled by steps sent whose results have not come back (overlapped scheduling)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -76,6 +78,13 @@ class Sequence:
     block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its leading full blocks
     num_named: int = 0  # leading blocks the prefix cache has been given since it last started
     host_cached_blocks: int | None = None  # of its prefix, cached in the host tier when admission first asked
+    # while it runs: its admission's handle on its worker, the blocks of its table the worker has, and
+    # (offloaded, host prefix cache on) its leading blocks whose names the worker has been given
+    handle: int = -1
+    admitted_length: int = 0  # its tokens when admitted: those after were sampled by its worker
+    known_blocks: int = 0
+    num_host_named: int = 0
+    block_table: tuple[int, ...] = ()  # its device blocks as last sent (rebuilt only when they change)
 
     @classmethod
     def admit(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> Sequence:
@@ -87,11 +96,28 @@ class Sequence:
 
     @property
     def all_ids(self) -> list[int]:
+        """The tokens known so far (not those of steps in flight)."""
         return self.prompt_ids + self.output_ids
+
+    def ids(self, start: int, end: int) -> tuple[int, ...]:
+        """Known tokens start..end-1, without copying the whole context."""
+        prompt = len(self.prompt_ids)
+        if end <= prompt:
+            return tuple(self.prompt_ids[start:end])
+        return tuple(self.prompt_ids[start:prompt]) + tuple(self.output_ids[max(0, start - prompt) : end - prompt])
+
+    @property
+    def num_known(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def length(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Its tokens once the steps in flight have sampled theirs."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_ids) + self.num_pending
 
     @property
     def in_prefill(self) -> bool:
@@ -99,4 +125,4 @@ class Sequence:
 
     def sampling_spec(self) -> SamplingSpec:
         p = self.params
-        return SamplingSpec(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=self.seed, step=len(self.output_ids))
+        return SamplingSpec(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=self.seed, step=self.num_outputs)

@@ -20,12 +20,12 @@ import zmq.asyncio
 from google.protobuf.message import DecodeError
 
 from pulseinfer.common import grpc_common
-from pulseinfer.common.grpc_common import add_health_and_reflection, add_servicer, set_serving
+from pulseinfer.common.grpc_common import Undecodable, add_health_and_reflection, add_servicer, set_serving
 from pulseinfer.kv_store.client import HostPoolLost, KVStoreClient, KVStoreUnavailable
 from pulseinfer.kv_store.prefix_cache import HostPrefix
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import QueueFull, RequestTooLarge
-from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
+from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore, Sink
 
 log = logging.getLogger("scheduler")
 T = TypeVar("T")
@@ -96,6 +96,57 @@ class WorkerHostPrefix:
         return self.store.acquire(owner, names, self.worker_id)
 
 
+class GatewaySession:
+    """One gateway's Session stream: the requests it submitted that have not finished, and the
+    events not sent yet. The core calls a request's sink synchronously for each event, so a step's
+    result piles up here whole and leaves as one message."""
+
+    def __init__(self):
+        self.open: set[str] = set()
+        self.outbox: list[generate_pb2.ScheduleResponse] = []
+        self.ready = asyncio.Event()  # the outbox has something, or the session ended
+        self.ended = False
+        # a request's last event in the outbox while it holds only tokens: later ones merge into it
+        self._tokens: dict[str, generate_pb2.ScheduleResponse] = {}
+
+    def sink(self, request_id: str) -> Sink:
+        return lambda message: self._put(request_id, message)
+
+    def accept(self, request_id: str) -> None:
+        self.open.add(request_id)
+        self._append(generate_pb2.ScheduleResponse(request_id=request_id, accepted=True))
+
+    def refuse(self, request_id: str, code: grpc.StatusCode, error: str) -> None:
+        self._append(generate_pb2.ScheduleResponse(request_id=request_id, refused_code=code.value[0], error=error))
+
+    def take(self) -> generate_pb2.SessionEvents:
+        events = generate_pb2.SessionEvents(responses=self.outbox)
+        self.outbox, self._tokens = [], {}
+        self.ready.clear()
+        return events
+
+    def end(self) -> None:
+        self.ended = True
+        self.ready.set()
+
+    def _put(self, request_id: str, message: generate_pb2.ScheduleResponse) -> None:
+        final = message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+        if final:
+            self.open.discard(request_id)
+        pending = self._tokens.pop(request_id, None) if final else self._tokens.get(request_id)
+        if pending is not None:
+            pending.MergeFrom(message)  # tokens extend the pending ones; a final completes them
+            return
+        message.request_id = request_id
+        if not final:
+            self._tokens[request_id] = message
+        self._append(message)
+
+    def _append(self, message: generate_pb2.ScheduleResponse) -> None:
+        self.outbox.append(message)
+        self.ready.set()
+
+
 class SchedulerService(generate_pb2_grpc.SchedulerServicer):
     def __init__(self, core: SchedulerCore, router: zmq.asyncio.Socket, kv_monitor: KVStoreMonitor, host_prefix: KVStorePrefix):
         self.core = core
@@ -103,25 +154,59 @@ class SchedulerService(generate_pb2_grpc.SchedulerServicer):
         self.kv_monitor = kv_monitor
         self.host_prefix = host_prefix
 
-    async def Schedule(self, request, context):
-        queue: asyncio.Queue[generate_pb2.ScheduleResponse] = asyncio.Queue()
+    async def Session(self, requests, context):
+        """One gateway's requests on one stream: whatever its requests' events piled up since the
+        last message goes out as one SessionEvents (a whole step's tokens, for all of them)."""
+        session = GatewaySession()
+        reader = asyncio.create_task(self._read_session(requests, session))
         try:
-            state = self.core.submit(request, queue.put_nowait)
-        except tuple(SUBMIT_ERRORS) as e:
-            code = next(c for kind, c in SUBMIT_ERRORS.items() if isinstance(e, kind))
-            await context.abort(code, str(e))
-        await self.send(self.core.dispatch())
-        seq_id = state.seq.seq_id
-        finished = False
-        try:
-            yield generate_pb2.ScheduleResponse(accepted=True)
-            while not finished:
-                message = await queue.get()
-                finished = message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
-                yield message
+            while not session.ended:
+                await session.ready.wait()
+                if session.outbox:
+                    yield session.take()
+            reader.result()  # a reader that failed fails the session, with its error logged by gRPC
         finally:
-            if not finished:  # the gateway went away (client disconnect, stop string): free the request
-                self.core.abort(seq_id)
+            reader.cancel()
+            for request_id in list(session.open):  # the gateway went away: free what it left running
+                self.core.abort(request_id)
+
+    async def _read_session(self, requests, session: GatewaySession) -> None:
+        """The gateway's submits and aborts; the session ends with its side (it never half-closes
+        while it wants answers)."""
+        try:
+            async for request in requests:
+                self._on_session_request(request, session)
+                await self.send(self.core.dispatch())
+        finally:
+            session.end()
+
+    def _on_session_request(self, request: generate_pb2.SessionRequest | Undecodable, session: GatewaySession) -> None:
+        if isinstance(request, Undecodable):
+            session.refuse("", grpc.StatusCode.INVALID_ARGUMENT, f"the SessionRequest does not decode: {request.error}")
+            return
+        kind = request.WhichOneof("kind")
+        if kind == "submit":
+            self._submit(request.submit, session)
+        elif kind == "abort":
+            if request.abort in session.open:  # else it finished already, or is not this session's to abort
+                self.core.abort(request.abort)
+        else:
+            session.refuse("", grpc.StatusCode.INVALID_ARGUMENT, "a SessionRequest must carry submit or abort")
+
+    def _submit(self, request: generate_pb2.ScheduleRequest, session: GatewaySession) -> None:
+        request_id = request.request_id
+        if not request_id:
+            session.refuse("", grpc.StatusCode.INVALID_ARGUMENT, "a submit needs a request_id: the session's events name it")
+            return
+        try:
+            self.core.submit(request, session.sink(request_id))
+        except tuple(SUBMIT_ERRORS) as e:
+            session.refuse(request_id, next(c for kind, c in SUBMIT_ERRORS.items() if isinstance(e, kind)), str(e))
+        except Exception as e:  # a bug met by one request fails it alone, not the session's others
+            log.exception("submit of %r failed", request_id)
+            session.refuse(request_id, grpc.StatusCode.INTERNAL, f"the scheduler failed the submit: {e}")
+        else:
+            session.accept(request_id)
 
     async def Abort(self, request, context):
         return generate_pb2.AbortResponse(found=self.core.abort(request.request_id))
@@ -135,12 +220,13 @@ class SchedulerService(generate_pb2_grpc.SchedulerServicer):
         stats.MergeFrom(self.kv_monitor.stats())
         return stats
 
-    async def send(self, messages: list[tuple[bytes, worker_pb2.SchedulerMessage]]) -> None:
-        for identity, message in messages:
+    async def send(self, messages: list[tuple[bytes, bytes]]) -> None:
+        """Serialized SchedulerMessages to workers' step sockets."""
+        for identity, payload in messages:
             try:
-                await self.router.send_multipart([identity, message.SerializeToString()])
+                await self.router.send_multipart([identity, payload])
             except zmq.ZMQError:  # EHOSTUNREACH: the step socket is not connected; retried each liveness tick
-                self.core.send_failed(identity, message)
+                self.core.send_failed(identity, payload)
 
 
 class KVStoreMonitor:

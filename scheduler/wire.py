@@ -5,52 +5,65 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from pulseinfer.scheduler.plan import RECALL_FIELDS, Chunk, RecallStats, SampledToken, SamplingSpec, StepPlan
+from pulseinfer.scheduler.plan import RECALL_FIELDS, Admission, RecallStats, SampledToken, SamplingSpec, StepPlan
 from pulseinfer.scheduler.request import SamplingParams
 
 
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
-    return worker_pb2.StepPlan(step_id=plan.step_id, chunks=[_chunk_to_proto(c) for c in plan.chunks], released=plan.released)
-
-
-def _chunk_to_proto(chunk: Chunk) -> worker_pb2.Chunk:
-    message = worker_pb2.Chunk(
-        seq_id=chunk.seq_id,
-        token_ids=chunk.token_ids,
-        start_pos=chunk.start_pos,
-        block_table=chunk.block_table,
-        offloaded=chunk.offloaded,
-        host_prefix=chunk.host_prefix,
-        block_names=chunk.block_names,
-    )
-    if chunk.sampling is not None:
-        s = chunk.sampling
-        message.sampling.CopyFrom(
-            worker_pb2.SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step)
-        )
+    """What changed since the last plan to the same worker (worker.proto StepPlan): the worker's
+    RequestTable (gpu_worker/requests.py) rebuilds the plan's chunks from it."""
+    message = worker_pb2.StepPlan(step_id=plan.step_id, released=plan.released_handles, admitted=[_admission(a) for a in plan.admitted])
+    grant_handles, grant_blocks, prefill_handles, prefill_lengths, prefill_tokens, decode = [], [], [], [], [], []
+    for chunk in plan.chunks:
+        new_blocks = chunk.block_table[chunk.known_blocks :]
+        if new_blocks:
+            grant_handles += [chunk.handle] * len(new_blocks)
+            grant_blocks += new_blocks
+        if chunk.fed_back:
+            decode.append(chunk.handle)
+        else:
+            prefill_handles.append(chunk.handle)
+            prefill_lengths.append(len(chunk.token_ids))
+            prefill_tokens += chunk.token_ids
+    message.grant_handles[:] = grant_handles
+    message.grant_blocks[:] = grant_blocks
+    message.prefill_handles[:] = prefill_handles
+    message.prefill_lengths[:] = prefill_lengths
+    message.prefill_tokens[:] = prefill_tokens
+    message.decode[:] = decode
+    for named in plan.names:
+        message.name_handles.extend([named.handle] * len(named.names))
+        message.name_blocks.extend(range(named.first, named.first + len(named.names)))
+        message.names.extend(named.names)
     return message
 
 
-def plan_from_proto(message: worker_pb2.StepPlan) -> StepPlan:
-    return StepPlan(message.step_id, tuple(_chunk_from_proto(c) for c in message.chunks), tuple(message.released))
-
-
-def _chunk_from_proto(c: worker_pb2.Chunk) -> Chunk:
-    sampling = None
-    if c.HasField("sampling"):
-        s = c.sampling
-        sampling = SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step)
-    return Chunk(
-        c.seq_id, tuple(c.token_ids), c.start_pos, tuple(c.block_table), sampling, c.offloaded, tuple(c.host_prefix), tuple(c.block_names)
+def _admission(a: Admission) -> worker_pb2.Admission:
+    return worker_pb2.Admission(
+        handle=a.handle,
+        seq_id=a.seq_id,
+        start_pos=a.start_pos,
+        length=a.length,
+        sampling=sampling_to_proto(a.sampling),
+        offloaded=a.offloaded,
+        host_prefix=a.host_prefix,
+        stop_token_ids=a.stop_token_ids,
+        ignore_eos=a.ignore_eos,
     )
 
 
-def tokens_to_proto(tokens: list[SampledToken]) -> list[worker_pb2.SampledToken]:
-    return [worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id) for t in tokens]
+def sampling_to_proto(s: SamplingSpec) -> worker_pb2.SamplingSpec:
+    return worker_pb2.SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step)
 
 
-def tokens_from_proto(tokens) -> list[SampledToken]:
-    return [SampledToken(t.seq_id, t.token_id) for t in tokens]
+def sampling_from_proto(s: worker_pb2.SamplingSpec) -> SamplingSpec:
+    return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step)
+
+
+def tokens_from_result(plan: StepPlan, result: worker_pb2.StepResult) -> list[SampledToken]:
+    """The result's tokens, named by the requests the plan's chunks were for."""
+    seq_ids = {c.handle: c.seq_id for c in plan.chunks}
+    return [SampledToken(seq_ids[h], t) for h, t in zip(result.handles, result.token_ids) if h in seq_ids]
 
 
 def recall_to_proto(recall: RecallStats) -> worker_pb2.RecallStats:

@@ -160,10 +160,12 @@ def test_an_offloaded_request_starts_from_the_host_blocks_of_its_cached_prefix()
     host, cached = _host_with(ids, 5)
     batcher = _batcher(blocks=64, offload="always", limits={"offload_blocks": 6}, host=host)
     batcher.add(_seq("b", ids))
-    (chunk,) = batcher.schedule().chunks
+    plan = batcher.schedule()
+    (chunk,) = plan.chunks
     assert chunk.offloaded and chunk.start_pos == 5 * B and chunk.host_prefix == tuple(cached)
     assert all(host.allocator.refcount(x) == 2 for x in cached)  # the cache's and the request's
-    assert chunk.block_names == tuple(chain_hashes(ids, B, 0, 8, ROOT)[5:])  # the blocks it completes, for its worker to name
+    (named,) = plan.names  # the blocks it completes, for its worker to name
+    assert named.first == 5 and named.names == tuple(chain_hashes(ids, B, 0, 8, ROOT)[5:])
     stats = batcher.prefix.stats
     assert batcher.running[0].cached_tokens == 5 * B and stats.hit_tokens == stats.host_hit_tokens == 5 * B
     batcher.abort("b")

@@ -27,9 +27,18 @@ def test_optional_sampling_fields_keep_presence():
 
 
 def test_step_messages_round_trip():
-    plan = worker_pb2.StepPlan(step_id=3, chunks=[worker_pb2.Chunk(seq_id="a", token_ids=[1, 2], start_pos=0, block_table=[5])])
+    admission = worker_pb2.Admission(handle=7, seq_id="a", length=2, sampling=worker_pb2.SamplingSpec(seed=1 << 63))
+    plan = worker_pb2.StepPlan(
+        step_id=3,
+        admitted=[admission],
+        grant_handles=[7],
+        grant_blocks=[5],
+        prefill_handles=[7],
+        prefill_lengths=[2],
+        prefill_tokens=[1, 2],
+    )
     message = worker_pb2.SchedulerMessage(plan=plan)
     decoded = worker_pb2.SchedulerMessage.FromString(message.SerializeToString())
-    assert decoded.plan == plan and not decoded.plan.chunks[0].HasField("sampling")
+    assert decoded.plan == plan and decoded.plan.admitted[0].sampling.seed == 1 << 63
     reply = kv_store_pb2.KVStoreResponse(code=kv_store_pb2.KV_STORE_RESOURCE_EXHAUSTED, error="full")
     assert kv_store_pb2.KVStoreResponse.FromString(reply.SerializeToString()).code == kv_store_pb2.KV_STORE_RESOURCE_EXHAUSTED

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
+from pulseinfer.gpu_worker.requests import RequestTable
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import BatcherConfig, QueueFull
 from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
+from pulseinfer.scheduler.plan import SampledToken, StepOutcome
 
 
 class Clock:
@@ -29,23 +33,32 @@ def request(seq_id: str, prompt: list[int], max_tokens: int = 4) -> generate_pb2
     )
 
 
+_tables: weakref.WeakKeyDictionary[SchedulerCore, dict[bytes, RequestTable]] = weakref.WeakKeyDictionary()
+
+
+def plan_of(payload: bytes) -> worker_pb2.StepPlan:
+    return worker_pb2.SchedulerMessage.FromString(payload).plan
+
+
 def answer(core: SchedulerCore, sent, token: int = 7) -> None:
-    """A worker that samples `token` for every sequence that needs one."""
-    for identity, message in sent:
-        plan = message.plan
-        tokens = [worker_pb2.SampledToken(seq_id=c.seq_id, token_id=token) for c in plan.chunks if c.HasField("sampling")]
-        core.on_result(identity, worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens))
+    """Workers that sample `token` for every sequence that needs one: each keeps its request table, as a worker does."""
+    for identity, payload in sent:
+        table = _tables.setdefault(core, {}).setdefault(identity, RequestTable(eos_id=0, windowed=False))
+        steps, refused = table.apply(plan_of(payload))
+        handles, tokens, failed = table.record(StepOutcome([SampledToken(c.seq_id, token) for c in steps.chunks if c.sampling], {}))
+        core.on_result(identity, worker_pb2.StepResult(step_id=steps.step_id, handles=handles, token_ids=tokens))
 
 
 def test_new_requests_join_the_running_batch_between_steps():
-    core, out = SchedulerCore(SchedulerConfig()), {}
+    core, out = SchedulerCore(SchedulerConfig(overlap="off")), {}
     core.on_heartbeat(beat(0))
     core.submit(request("a", [1, 2, 3]), lambda m, k="a": out.setdefault(k, []).append(m))
     answer(core, core.dispatch())  # a: prefill
     core.submit(request("b", [4, 5]), lambda m, k="b": out.setdefault(k, []).append(m))
     (sent,) = core.dispatch()
-    chunks = sent[1].plan.chunks
-    assert [(c.seq_id, len(c.token_ids)) for c in chunks] == [("a", 1), ("b", 2)]  # a decodes while b prefills
+    plan = plan_of(sent[1])
+    assert list(plan.decode) == [0] and [a.seq_id for a in plan.admitted] == ["b"]  # a decodes while b prefills
+    assert list(plan.prefill_handles) == [1] and list(plan.prefill_tokens) == [4, 5]
     answer(core, [sent])
     for _ in range(10):
         answer(core, core.dispatch())
@@ -69,7 +82,7 @@ def test_a_silent_worker_fails_its_requests_and_frees_them():
     core.on_heartbeat(beat(0))
     core.submit(request("a", [1, 2, 3], max_tokens=50), out.append)
     answer(core, core.dispatch())
-    core.dispatch()  # a step in flight when the worker dies
+    core.dispatch()  # steps in flight when the worker dies
     clock.now = 10.0
     assert core.check_liveness() == [0]
     assert out[-1].finish_reason == generate_pb2.FINISH_REASON_ERROR and "worker 0" in out[-1].error
@@ -93,8 +106,8 @@ def test_a_failed_step_fails_only_its_requests_and_abort_frees_blocks():
     core, out = SchedulerCore(SchedulerConfig()), []
     core.on_heartbeat(beat(0))
     core.submit(request("a", [1, 2]), out.append)
-    ((identity, message),) = core.dispatch()
-    core.on_result(identity, worker_pb2.StepResult(step_id=message.plan.step_id, error="RuntimeError: boom"))
+    (identity, message), *_ = core.dispatch()
+    core.on_result(identity, worker_pb2.StepResult(step_id=plan_of(message).step_id, error="RuntimeError: boom"))
     assert out[-1].finish_reason == generate_pb2.FINISH_REASON_ERROR and "boom" in out[-1].error
     core.submit(request("b", [1, 2], max_tokens=100), out.append)
     answer(core, core.dispatch())
@@ -120,7 +133,7 @@ def test_full_queue_and_no_workers_are_refused_without_side_effects():
 
 
 def test_a_plan_the_socket_refused_is_sent_again_not_lost():
-    core, out = SchedulerCore(SchedulerConfig()), []
+    core, out = SchedulerCore(SchedulerConfig(overlap="off")), []
     core.on_heartbeat(beat(0))
     core.submit(request("a", [1, 2], max_tokens=1), out.append)
     ((identity, message),) = core.dispatch()

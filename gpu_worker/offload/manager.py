@@ -24,7 +24,7 @@ from pulseinfer.kernels.attention import GatherWorkspace
 from pulseinfer.kv_store.allocator import PoolExhausted
 from pulseinfer.kv_store.client import HostPoolLost, KVStoreUnavailable
 from pulseinfer.kv_store.cuda_ipc import CopyStream
-from pulseinfer.scheduler.plan import Chunk, RecallStats, StepPlan
+from pulseinfer.scheduler.plan import BlockNames, Chunk, RecallStats, StepPlan
 
 log = logging.getLogger("gpu_worker")
 HOST_ERRORS = (PoolExhausted, KVStoreUnavailable, HostPoolLost, ValueError)
@@ -158,16 +158,15 @@ class OffloadManager:
         except PoolExhausted as e:
             raise PoolExhausted(f"request {seq_id}: host KV pool exhausted ({e})") from e
 
-    def name_blocks(self, chunks: tuple[Chunk, ...]) -> None:
-        """Gives the host tier's prefix cache the offloaded chunks' full blocks written this step
-        (best effort: a block left unnamed costs a later request its reuse, nothing else)."""
+    def name_blocks(self, named: tuple[BlockNames, ...]) -> None:
+        """Gives the host tier's prefix cache the offloaded requests' full blocks the plan names, written
+        by now (best effort: a block left unnamed costs a later request its reuse, nothing else)."""
         g, names, blocks = self.geometry, [], []
-        for chunk in chunks:
-            seq = self.seqs.get(chunk.seq_id)
-            if seq is None or not chunk.block_names:
+        for entry in named:
+            seq = self.seqs.get(entry.seq_id)
+            if seq is None:
                 continue
-            first = chunk.start_pos // g.block_size
-            logical = range(first, first + len(chunk.block_names))
+            logical = range(entry.first, entry.first + len(entry.names))
             sink = [j for j in logical if j < g.sink_blocks]
             try:
                 copies = self._allocate(seq.seq_id, len(sink)) if sink else []
@@ -176,7 +175,7 @@ class OffloadManager:
                 continue
             if sink:
                 copy_sink(seq, sink, copies, self.cache, self.view)
-            names += chunk.block_names
+            names += entry.names
             blocks += copies + [seq.host_blocks[j - g.sink_blocks] for j in logical if j >= g.sink_blocks]
         if names:
             if self.cache.k.device.type == "cuda":  # a name is published once its blocks' writes have landed

@@ -38,8 +38,9 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
         await servicer.set(name, status)
 
 
-class _Undecodable:
-    """What a request that does not parse as its message becomes (grpc would answer UNKNOWN)."""
+class Undecodable:
+    """What a request that does not parse as its message becomes (grpc would answer UNKNOWN); a
+    bidirectional method meets it in its request stream, to answer as its protocol says."""
 
     def __init__(self, error: DecodeError):
         self.error = error
@@ -47,29 +48,35 @@ class _Undecodable:
 
 def add_servicer(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor) -> None:
     """Registers `servicer`'s methods for `service`, as the generated add_*_to_server does, except
-    that a payload that does not decode is answered INVALID_ARGUMENT before the method runs."""
+    that a payload that does not decode is answered INVALID_ARGUMENT before a unary-request method
+    runs (a bidirectional one gets an Undecodable in its stream: one bad message need not end it)."""
     handlers = {}
     for method in service.methods:
         kind = (method.client_streaming, method.server_streaming)
         if kind not in _HANDLERS:
-            raise ValueError(f"{method.full_name}: client-streaming methods are not supported")
+            raise ValueError(f"{method.full_name}: client-streaming methods with a single response are not supported")
+        behavior = getattr(servicer, method.name)
         handlers[method.name] = _HANDLERS[kind](
-            _checked(getattr(servicer, method.name), method.server_streaming),
+            behavior if method.client_streaming else _checked(behavior, method.server_streaming),
             request_deserializer=_lenient(message_factory.GetMessageClass(method.input_type)),
             response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler}
+_HANDLERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
-def _lenient(message_class: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
-    def decode(raw: bytes) -> Message | _Undecodable:
+def _lenient(message_class: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    def decode(raw: bytes) -> Message | Undecodable:
         try:
             return message_class.FromString(raw)
         except DecodeError as e:
-            return _Undecodable(e)
+            return Undecodable(e)
 
     return decode
 
@@ -81,7 +88,7 @@ def _checked(method: Callable, streaming: bool) -> Callable:
     if streaming:
 
         async def stream(request, context):
-            if isinstance(request, _Undecodable):
+            if isinstance(request, Undecodable):
                 await refuse(request, context)
             async for response in method(request, context):
                 yield response
@@ -89,7 +96,7 @@ def _checked(method: Callable, streaming: bool) -> Callable:
         return stream
 
     async def unary(request, context):
-        if isinstance(request, _Undecodable):
+        if isinstance(request, Undecodable):
             await refuse(request, context)
         return await method(request, context)
 

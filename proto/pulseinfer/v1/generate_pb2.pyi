@@ -169,27 +169,45 @@ class ScheduleRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "error", "timings", "accepted", "cached_tokens")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "error", "timings", "accepted", "cached_tokens", "refused_code")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     error: str
     timings: Timings
     accepted: bool
     cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., accepted: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    refused_code: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., accepted: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., refused_code: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("submit", "abort")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    submit: ScheduleRequest
+    abort: str
+    def __init__(self, submit: _Optional[_Union[ScheduleRequest, _Mapping]] = ..., abort: _Optional[str] = ...) -> None: ...
+
+class SessionEvents(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[ScheduleResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[ScheduleResponse, _Mapping]]] = ...) -> None: ...
 
 class SchedulerStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "running", "waiting", "device_blocks_total", "device_blocks_free", "steps", "decode_tokens", "decode_steps", "max_decode_batch", "last_decode_batch", "step_overhead_s", "preemptions", "pid", "offloaded", "integrity_error", "offloaded_admissions", "recall_units", "recall_transfers", "recall_bytes", "recall_wait_s", "recall_prefetched_units", "recall_corrected_units", "recall_io_busy_s", "recall_truncated_units", "recall_suspended_rows", "recall_resumed_layers", "link_bytes_per_s", "recall_bytes_per_offloaded_step", "decode_compute_s", "held_for_link", "max_running", "prefix_cached_blocks", "prefix_evicted_blocks", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens")
+    __slots__ = ("worker_id", "running", "waiting", "device_blocks_total", "device_blocks_free", "steps", "decode_tokens", "decode_steps", "max_decode_batch", "last_decode_batch", "step_overhead_s", "preemptions", "pid", "offloaded", "integrity_error", "offloaded_admissions", "recall_units", "recall_transfers", "recall_bytes", "recall_wait_s", "recall_prefetched_units", "recall_corrected_units", "recall_io_busy_s", "recall_truncated_units", "recall_suspended_rows", "recall_resumed_layers", "link_bytes_per_s", "recall_bytes_per_offloaded_step", "decode_compute_s", "held_for_link", "max_running", "prefix_cached_blocks", "prefix_evicted_blocks", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens", "busy_s", "idle_s", "plan_bytes", "steady_steps", "steady_plan_bytes", "steady_plan_bytes_max", "inflight")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +244,13 @@ class WorkerStats(_message.Message):
     PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    PLAN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEADY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEADY_PLAN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEADY_PLAN_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     running: int
     waiting: int
@@ -262,10 +287,17 @@ class WorkerStats(_message.Message):
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     prefix_host_hit_tokens: int
-    def __init__(self, worker_id: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., max_decode_batch: _Optional[int] = ..., last_decode_batch: _Optional[int] = ..., step_overhead_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., pid: _Optional[int] = ..., offloaded: _Optional[int] = ..., integrity_error: _Optional[str] = ..., offloaded_admissions: _Optional[int] = ..., recall_units: _Optional[int] = ..., recall_transfers: _Optional[int] = ..., recall_bytes: _Optional[int] = ..., recall_wait_s: _Optional[float] = ..., recall_prefetched_units: _Optional[int] = ..., recall_corrected_units: _Optional[int] = ..., recall_io_busy_s: _Optional[float] = ..., recall_truncated_units: _Optional[int] = ..., recall_suspended_rows: _Optional[int] = ..., recall_resumed_layers: _Optional[int] = ..., link_bytes_per_s: _Optional[float] = ..., recall_bytes_per_offloaded_step: _Optional[float] = ..., decode_compute_s: _Optional[float] = ..., held_for_link: _Optional[int] = ..., max_running: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ...) -> None: ...
+    busy_s: float
+    idle_s: float
+    plan_bytes: int
+    steady_steps: int
+    steady_plan_bytes: int
+    steady_plan_bytes_max: int
+    inflight: int
+    def __init__(self, worker_id: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., max_decode_batch: _Optional[int] = ..., last_decode_batch: _Optional[int] = ..., step_overhead_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., pid: _Optional[int] = ..., offloaded: _Optional[int] = ..., integrity_error: _Optional[str] = ..., offloaded_admissions: _Optional[int] = ..., recall_units: _Optional[int] = ..., recall_transfers: _Optional[int] = ..., recall_bytes: _Optional[int] = ..., recall_wait_s: _Optional[float] = ..., recall_prefetched_units: _Optional[int] = ..., recall_corrected_units: _Optional[int] = ..., recall_io_busy_s: _Optional[float] = ..., recall_truncated_units: _Optional[int] = ..., recall_suspended_rows: _Optional[int] = ..., recall_resumed_layers: _Optional[int] = ..., link_bytes_per_s: _Optional[float] = ..., recall_bytes_per_offloaded_step: _Optional[float] = ..., decode_compute_s: _Optional[float] = ..., held_for_link: _Optional[int] = ..., max_running: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., plan_bytes: _Optional[int] = ..., steady_steps: _Optional[int] = ..., steady_plan_bytes: _Optional[int] = ..., steady_plan_bytes_max: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "workers_alive", "device_blocks_total", "device_blocks_free", "host_blocks_total", "host_blocks_free", "workers", "kv_store_alive", "host_integrity_error", "kv_store_engine_recalls", "kv_store_engine_busy_s", "host_prefix_cached_blocks", "host_prefix_evicted_blocks")
+    __slots__ = ("running", "waiting", "workers_alive", "device_blocks_total", "device_blocks_free", "host_blocks_total", "host_blocks_free", "workers", "kv_store_alive", "host_integrity_error", "kv_store_engine_recalls", "kv_store_engine_busy_s", "host_prefix_cached_blocks", "host_prefix_evicted_blocks", "cpu_s", "overlap")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +312,8 @@ class SchedulerStats(_message.Message):
     KV_STORE_ENGINE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     HOST_PREFIX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_S_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     workers_alive: int
@@ -294,7 +328,9 @@ class SchedulerStats(_message.Message):
     kv_store_engine_busy_s: float
     host_prefix_cached_blocks: int
     host_prefix_evicted_blocks: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., kv_store_alive: _Optional[bool] = ..., host_integrity_error: _Optional[str] = ..., kv_store_engine_recalls: _Optional[int] = ..., kv_store_engine_busy_s: _Optional[float] = ..., host_prefix_cached_blocks: _Optional[int] = ..., host_prefix_evicted_blocks: _Optional[int] = ...) -> None: ...
+    cpu_s: float
+    overlap: bool
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., kv_store_alive: _Optional[bool] = ..., host_integrity_error: _Optional[str] = ..., kv_store_engine_recalls: _Optional[int] = ..., kv_store_engine_busy_s: _Optional[float] = ..., host_prefix_cached_blocks: _Optional[int] = ..., host_prefix_evicted_blocks: _Optional[int] = ..., cpu_s: _Optional[float] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()

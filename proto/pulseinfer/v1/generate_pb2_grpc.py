@@ -195,10 +195,10 @@ class SchedulerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Schedule = channel.unary_stream(
-                '/pulseinfer.v1.Scheduler/Schedule',
-                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleRequest.SerializeToString,
-                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleResponse.FromString,
+        self.Session = channel.stream_stream(
+                '/pulseinfer.v1.Scheduler/Session',
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SessionRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SessionEvents.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pulseinfer.v1.Scheduler/Abort',
@@ -220,7 +220,7 @@ class SchedulerStub:
 class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Schedule(self, request, context):
+    def Session(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -247,10 +247,10 @@ class SchedulerServicer:
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Schedule': grpc.unary_stream_rpc_method_handler(
-                    servicer.Schedule,
-                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleRequest.FromString,
-                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleResponse.SerializeToString,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SessionRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SessionEvents.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -279,7 +279,7 @@ class Scheduler:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Schedule(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -289,12 +289,12 @@ class Scheduler:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/pulseinfer.v1.Scheduler/Schedule',
-            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleRequest.SerializeToString,
-            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ScheduleResponse.FromString,
+            '/pulseinfer.v1.Scheduler/Session',
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SessionRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,

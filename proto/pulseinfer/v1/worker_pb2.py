@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+pulseinfer/proto/pulseinfer/v1/worker.proto\x12\rpulseinfer.v1\"]\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\r\"\xd0\x01\n\x05\x43hunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pulseinfer.v1.SamplingSpecH\x00\x88\x01\x01\x12\x11\n\toffloaded\x18\x06 \x01(\x08\x12\x13\n\x0bhost_prefix\x18\x07 \x03(\x04\x12\x13\n\x0b\x62lock_names\x18\x08 \x03(\x0c\x42\x0b\n\t_sampling\"S\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.pulseinfer.v1.Chunk\x12\x10\n\x08released\x18\x03 \x03(\t\"0\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"\xd9\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.pulseinfer.v1.SampledToken\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12,\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x1c.pulseinfer.v1.SequenceError\x12*\n\x06recall\x18\x06 \x01(\x0b\x32\x1a.pulseinfer.v1.RecallStats\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\"\xdd\x01\n\x0bRecallStats\x12\r\n\x05units\x18\x01 \x01(\x04\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x18\n\x10prefetched_units\x18\x05 \x01(\x04\x12\x17\n\x0f\x63orrected_units\x18\x06 \x01(\x04\x12\x11\n\tio_busy_s\x18\x07 \x01(\x01\x12\x17\n\x0ftruncated_units\x18\x08 \x01(\x04\x12\x16\n\x0esuspended_rows\x18\t \x01(\x04\x12\x16\n\x0eresumed_layers\x18\n \x01(\x04\".\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xe2\x01\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cmax_position\x18\x05 \x01(\r\x12\x13\n\x06\x65os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x16\n\x0eoffload_blocks\x18\t \x01(\r\x12\x13\n\x0bmax_running\x18\n \x01(\rB\t\n\x07_eos_id\"s\n\rWorkerMessage\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.pulseinfer.v1.StepResultH\x00\x12-\n\theartbeat\x18\x02 \x01(\x0b\x32\x18.pulseinfer.v1.HeartbeatH\x00\x42\x06\n\x04kind\"p\n\x10SchedulerMessage\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x17.pulseinfer.v1.StepPlanH\x00\x12+\n\x08shutdown\x18\x02 \x01(\x0b\x32\x17.pulseinfer.v1.ShutdownH\x00\x42\x06\n\x04kind\"\n\n\x08Shutdownb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+pulseinfer/proto/pulseinfer/v1/worker.proto\x12\rpulseinfer.v1\"]\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\r\"\xd1\x01\n\tAdmission\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x0e\n\x06seq_id\x18\x02 \x01(\t\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x0e\n\x06length\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pulseinfer.v1.SamplingSpec\x12\x11\n\toffloaded\x18\x06 \x01(\x08\x12\x13\n\x0bhost_prefix\x18\x07 \x03(\x04\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\"\x9a\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08released\x18\x02 \x03(\r\x12*\n\x08\x61\x64mitted\x18\x03 \x03(\x0b\x32\x18.pulseinfer.v1.Admission\x12\x15\n\rgrant_handles\x18\x04 \x03(\r\x12\x14\n\x0cgrant_blocks\x18\x05 \x03(\r\x12\x17\n\x0fprefill_handles\x18\x06 \x03(\r\x12\x17\n\x0fprefill_lengths\x18\x07 \x03(\r\x12\x16\n\x0eprefill_tokens\x18\x08 \x03(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\t \x03(\r\x12\x14\n\x0cname_handles\x18\n \x03(\r\x12\x13\n\x0bname_blocks\x18\x0b \x03(\r\x12\r\n\x05names\x18\x0c \x03(\x0c\"\xe0\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07handles\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x11\n\tforward_s\x18\x04 \x01(\x01\x12\x0e\n\x06idle_s\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12,\n\x06\x66\x61iled\x18\x07 \x03(\x0b\x32\x1c.pulseinfer.v1.SequenceError\x12*\n\x06recall\x18\x08 \x01(\x0b\x32\x1a.pulseinfer.v1.RecallStats\x12\x11\n\tcompute_s\x18\t \x01(\x01\"\xdd\x01\n\x0bRecallStats\x12\r\n\x05units\x18\x01 \x01(\x04\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x18\n\x10prefetched_units\x18\x05 \x01(\x04\x12\x17\n\x0f\x63orrected_units\x18\x06 \x01(\x04\x12\x11\n\tio_busy_s\x18\x07 \x01(\x01\x12\x17\n\x0ftruncated_units\x18\x08 \x01(\x04\x12\x16\n\x0esuspended_rows\x18\t \x01(\x04\x12\x16\n\x0eresumed_layers\x18\n \x01(\x04\".\n\rSequenceError\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xe2\x01\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x1b\n\x13\x64\x65vice_blocks_total\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cmax_position\x18\x05 \x01(\r\x12\x13\n\x06\x65os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x16\n\x0eoffload_blocks\x18\t \x01(\r\x12\x13\n\x0bmax_running\x18\n \x01(\rB\t\n\x07_eos_id\"s\n\rWorkerMessage\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.pulseinfer.v1.StepResultH\x00\x12-\n\theartbeat\x18\x02 \x01(\x0b\x32\x18.pulseinfer.v1.HeartbeatH\x00\x42\x06\n\x04kind\"p\n\x10SchedulerMessage\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x17.pulseinfer.v1.StepPlanH\x00\x12+\n\x08shutdown\x18\x02 \x01(\x0b\x32\x17.pulseinfer.v1.ShutdownH\x00\x42\x06\n\x04kind\"\n\n\x08Shutdownb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGSPEC']._serialized_start=62
   _globals['_SAMPLINGSPEC']._serialized_end=155
-  _globals['_CHUNK']._serialized_start=158
-  _globals['_CHUNK']._serialized_end=366
-  _globals['_STEPPLAN']._serialized_start=368
-  _globals['_STEPPLAN']._serialized_end=451
-  _globals['_SAMPLEDTOKEN']._serialized_start=453
-  _globals['_SAMPLEDTOKEN']._serialized_end=501
-  _globals['_STEPRESULT']._serialized_start=504
-  _globals['_STEPRESULT']._serialized_end=721
-  _globals['_RECALLSTATS']._serialized_start=724
-  _globals['_RECALLSTATS']._serialized_end=945
-  _globals['_SEQUENCEERROR']._serialized_start=947
-  _globals['_SEQUENCEERROR']._serialized_end=993
-  _globals['_HEARTBEAT']._serialized_start=996
-  _globals['_HEARTBEAT']._serialized_end=1222
-  _globals['_WORKERMESSAGE']._serialized_start=1224
-  _globals['_WORKERMESSAGE']._serialized_end=1339
-  _globals['_SCHEDULERMESSAGE']._serialized_start=1341
-  _globals['_SCHEDULERMESSAGE']._serialized_end=1453
-  _globals['_SHUTDOWN']._serialized_start=1455
-  _globals['_SHUTDOWN']._serialized_end=1465
+  _globals['_ADMISSION']._serialized_start=158
+  _globals['_ADMISSION']._serialized_end=367
+  _globals['_STEPPLAN']._serialized_start=370
+  _globals['_STEPPLAN']._serialized_end=652
+  _globals['_STEPRESULT']._serialized_start=655
+  _globals['_STEPRESULT']._serialized_end=879
+  _globals['_RECALLSTATS']._serialized_start=882
+  _globals['_RECALLSTATS']._serialized_end=1103
+  _globals['_SEQUENCEERROR']._serialized_start=1105
+  _globals['_SEQUENCEERROR']._serialized_end=1151
+  _globals['_HEARTBEAT']._serialized_start=1154
+  _globals['_HEARTBEAT']._serialized_end=1380
+  _globals['_WORKERMESSAGE']._serialized_start=1382
+  _globals['_WORKERMESSAGE']._serialized_end=1497
+  _globals['_SCHEDULERMESSAGE']._serialized_start=1499
+  _globals['_SCHEDULERMESSAGE']._serialized_end=1611
+  _globals['_SHUTDOWN']._serialized_start=1613
+  _globals['_SHUTDOWN']._serialized_end=1623
 # @@protoc_insertion_point(module_scope)

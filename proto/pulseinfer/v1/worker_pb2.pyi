@@ -20,61 +20,77 @@ class SamplingSpec(_message.Message):
     step: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
-class Chunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "sampling", "offloaded", "host_prefix", "block_names")
+class Admission(_message.Message):
+    __slots__ = ("handle", "seq_id", "start_pos", "length", "sampling", "offloaded", "host_prefix", "stop_token_ids", "ignore_eos")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     HOST_PREFIX_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_NAMES_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
     seq_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
-    block_table: _containers.RepeatedScalarFieldContainer[int]
+    length: int
     sampling: SamplingSpec
     offloaded: bool
     host_prefix: _containers.RepeatedScalarFieldContainer[int]
-    block_names: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., offloaded: _Optional[bool] = ..., host_prefix: _Optional[_Iterable[int]] = ..., block_names: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, handle: _Optional[int] = ..., seq_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., length: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., offloaded: _Optional[bool] = ..., host_prefix: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "chunks", "released")
+    __slots__ = ("step_id", "released", "admitted", "grant_handles", "grant_blocks", "prefill_handles", "prefill_lengths", "prefill_tokens", "decode", "name_handles", "name_blocks", "names")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    GRANT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    GRANT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    NAME_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    NAME_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
-    released: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
-    token_id: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ...) -> None: ...
+    released: _containers.RepeatedScalarFieldContainer[int]
+    admitted: _containers.RepeatedCompositeFieldContainer[Admission]
+    grant_handles: _containers.RepeatedScalarFieldContainer[int]
+    grant_blocks: _containers.RepeatedScalarFieldContainer[int]
+    prefill_handles: _containers.RepeatedScalarFieldContainer[int]
+    prefill_lengths: _containers.RepeatedScalarFieldContainer[int]
+    prefill_tokens: _containers.RepeatedScalarFieldContainer[int]
+    decode: _containers.RepeatedScalarFieldContainer[int]
+    name_handles: _containers.RepeatedScalarFieldContainer[int]
+    name_blocks: _containers.RepeatedScalarFieldContainer[int]
+    names: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, step_id: _Optional[int] = ..., released: _Optional[_Iterable[int]] = ..., admitted: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., grant_handles: _Optional[_Iterable[int]] = ..., grant_blocks: _Optional[_Iterable[int]] = ..., prefill_handles: _Optional[_Iterable[int]] = ..., prefill_lengths: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Iterable[int]] = ..., name_handles: _Optional[_Iterable[int]] = ..., name_blocks: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "tokens", "forward_s", "error", "failed", "recall", "compute_s")
+    __slots__ = ("step_id", "handles", "token_ids", "forward_s", "idle_s", "error", "failed", "recall", "compute_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     RECALL_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
     forward_s: float
+    idle_s: float
     error: str
     failed: _containers.RepeatedCompositeFieldContainer[SequenceError]
     recall: RecallStats
     compute_s: float
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class RecallStats(_message.Message):
     __slots__ = ("units", "transfers", "bytes", "wait_s", "prefetched_units", "corrected_units", "io_busy_s", "truncated_units", "suspended_rows", "resumed_layers")
@@ -101,12 +117,12 @@ class RecallStats(_message.Message):
     def __init__(self, units: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., wait_s: _Optional[float] = ..., prefetched_units: _Optional[int] = ..., corrected_units: _Optional[int] = ..., io_busy_s: _Optional[float] = ..., truncated_units: _Optional[int] = ..., suspended_rows: _Optional[int] = ..., resumed_layers: _Optional[int] = ...) -> None: ...
 
 class SequenceError(_message.Message):
-    __slots__ = ("seq_id", "error")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handle", "error")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
+    handle: int
     error: str
-    def __init__(self, seq_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, handle: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("worker_id", "pid", "device_blocks_total", "block_size", "max_position", "eos_id", "vocab_size", "model", "offload_blocks", "max_running")

@@ -1,0 +1,165 @@
+"""A worker's running requests, kept from their admission (DESIGN.md §10).
+
+A step plan carries only what changed (worker.proto StepPlan): new admissions, new blocks, prefill
+tokens, the handles that decode, releases. The table turns each plan back into the chunks the model
+runner runs, feeding every decode row the token this worker sampled for it last, and records what the
+runner sampled. A request that sampled a stop token is dropped from the plan already queued behind it
+(overlapped scheduling planned it a step ahead); its scheduler ends it when that token comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pulseinfer.proto.pulseinfer.v1 import worker_pb2
+from pulseinfer.scheduler.plan import BlockNames, Chunk, SamplingSpec, StepOutcome, StepPlan
+from pulseinfer.scheduler.wire import sampling_from_proto
+
+
+@dataclass
+class Running:
+    """One admission as its worker keeps it."""
+
+    seq_id: str
+    base: int  # its first position with a token here: the KV before it came from a cached prefix
+    length: int  # tokens it had at admission: its prefill ends here and samples
+    sampling: SamplingSpec  # step: the index of the next token it samples
+    offloaded: bool
+    host_prefix: tuple[int, ...]
+    stops: frozenset[int]
+    tokens: list[int]  # from position base on: the prefill tokens sent, then those it sampled
+    fed: int  # positions that have been run (or run in the step being built)
+    table: tuple[int, ...] = ()
+    ended: bool = False  # it sampled a stop token, or this worker failed it: later chunks of it are dropped
+
+
+class RequestTable:
+    def __init__(self, eos_id: int | None, windowed: bool):
+        """`windowed`: the model keeps a sliding-window ring per running request, which every release
+        frees (otherwise only offloaded requests have state the runner frees)."""
+        self.eos_id = eos_id
+        self.windowed = windowed
+        self.running: dict[int, Running] = {}
+        self._step_handles: dict[str, int] = {}  # seq_id -> handle, for the step being run
+
+    def clear(self) -> None:
+        self.running.clear()
+
+    def apply(self, plan: worker_pb2.StepPlan) -> tuple[StepPlan, dict[int, str]]:
+        """The chunks to run, decode rows first as the scheduler plans them; and the handles of chunks
+        that cannot run here, with why."""
+        released = self._release(plan.released)
+        for admission in plan.admitted:
+            self.running[admission.handle] = self._admit(admission)
+        self._grant(plan.grant_handles, plan.grant_blocks)
+        failed: dict[int, str] = {}
+        self._step_handles = {}
+        chunks = [c for h in plan.decode if (c := self._decode(h, failed)) is not None]
+        offset = 0
+        for handle, count in zip(plan.prefill_handles, plan.prefill_lengths):
+            chunk = self._prefill(handle, list(plan.prefill_tokens[offset : offset + count]), failed)
+            offset += count
+            if chunk is not None:
+                chunks.append(chunk)
+        names = self._names(plan.name_handles, plan.name_blocks, plan.names)
+        return StepPlan(plan.step_id, tuple(chunks), tuple(released), names), failed
+
+    def record(self, outcome: StepOutcome) -> tuple[list[int], list[int], dict[int, str]]:
+        """Takes the sampled tokens in; the tokens as (handles, token ids) and the failed requests by handle."""
+        handles, tokens = [], []
+        for sampled in outcome.tokens:
+            handle = self._step_handles[sampled.seq_id]
+            entry = self.running.get(handle)
+            if entry is None:
+                continue
+            entry.tokens.append(sampled.token_id)
+            s = entry.sampling
+            entry.sampling = SamplingSpec(s.temperature, s.top_p, s.top_k, s.seed, s.step + 1)
+            entry.ended = sampled.token_id in entry.stops
+            handles.append(handle)
+            tokens.append(sampled.token_id)
+        failed = {}
+        for seq_id, error in outcome.failed.items():
+            handle = self._step_handles[seq_id]
+            failed[handle] = error
+            if (entry := self.running.get(handle)) is not None:
+                entry.ended = True
+        return handles, tokens, failed
+
+    def fail_step(self) -> None:
+        """The whole step failed: its requests are ended here (the scheduler fails them)."""
+        for handle in self._step_handles.values():
+            if (entry := self.running.get(handle)) is not None:
+                entry.ended = True
+
+    # ------------------------------------------------------------ internals
+
+    def _release(self, handles) -> list[str]:
+        """Drops the ended admissions; the ids of those whose runner state (host blocks, window rings) must be freed."""
+        released = []
+        for handle in handles:
+            entry = self.running.pop(handle, None)
+            if entry is not None and (entry.offloaded or self.windowed):
+                released.append(entry.seq_id)
+        return released
+
+    def _admit(self, a: worker_pb2.Admission) -> Running:
+        stops = set(a.stop_token_ids)
+        if self.eos_id is not None and not a.ignore_eos:
+            stops.add(self.eos_id)
+        sampling = sampling_from_proto(a.sampling)
+        return Running(a.seq_id, a.start_pos, a.length, sampling, a.offloaded, tuple(a.host_prefix), frozenset(stops), [], a.start_pos)
+
+    def _grant(self, handles, blocks) -> None:
+        grants: dict[int, list[int]] = {}
+        for handle, block in zip(handles, blocks):
+            grants.setdefault(handle, []).append(block)
+        for handle, new in grants.items():
+            if (entry := self.running.get(handle)) is not None:
+                entry.table += tuple(new)
+
+    def _decode(self, handle: int, failed: dict[int, str]) -> Chunk | None:
+        entry = self.running.get(handle)
+        if entry is None:
+            failed[handle] = f"admission {handle} is not running on this worker"
+            return None
+        if entry.ended:
+            return None
+        if entry.fed - entry.base != len(entry.tokens) - 1:
+            known = len(entry.tokens) + entry.base
+            failed[handle] = f"request {entry.seq_id}: the plan decodes position {entry.fed}, this worker has tokens to {known}"
+            entry.ended = True
+            return None
+        entry.fed += 1
+        self._step_handles[entry.seq_id] = handle
+        return Chunk(entry.seq_id, (entry.tokens[-1],), entry.fed - 1, entry.table, entry.sampling, entry.offloaded)
+
+    def _prefill(self, handle: int, tokens: list[int], failed: dict[int, str]) -> Chunk | None:
+        entry = self.running.get(handle)
+        if entry is None:
+            failed[handle] = f"admission {handle} is not running on this worker"
+            return None
+        start, end = entry.fed, entry.fed + len(tokens)
+        if end > entry.length:
+            failed[handle] = f"request {entry.seq_id}: a prefill chunk to position {end} past its {entry.length} tokens"
+            entry.ended = True
+            return None
+        entry.tokens += tokens
+        entry.fed = end
+        self._step_handles[entry.seq_id] = handle
+        sampling = entry.sampling if end == entry.length else None
+        host_prefix = entry.host_prefix if start == entry.base else ()
+        return Chunk(entry.seq_id, tuple(tokens), start, entry.table, sampling, entry.offloaded, host_prefix)
+
+    def _names(self, handles, blocks, names) -> tuple[BlockNames, ...]:
+        out: list[BlockNames] = []
+        for handle, block, name in zip(handles, blocks, names):
+            entry = self.running.get(handle)
+            if entry is None:
+                continue
+            last = out[-1] if out else None
+            if last is not None and last.handle == handle and last.first + len(last.names) == block:
+                out[-1] = BlockNames(last.seq_id, handle, last.first, last.names + (name,))
+            else:
+                out.append(BlockNames(entry.seq_id, handle, block, (name,)))
+        return tuple(out)
