@@ -99,7 +99,16 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from pulseinfer.bench import dense_decode, host_pool, kernels_compile, layer_ahead, recall_gather, selection_scorers, serving_overhead
+    from pulseinfer.bench import (
+        control_plane,
+        dense_decode,
+        host_pool,
+        kernels_compile,
+        layer_ahead,
+        recall_gather,
+        selection_scorers,
+        serving_overhead,
+    )
     from pulseinfer.bench import serve as serve_bench
     from pulseinfer.bench.decode import DecodeBenchConfig
     from pulseinfer.bench.soak import SoakConfig
@@ -134,6 +143,16 @@ def _bench_parser(sub) -> None:
     compile_gate.add_argument("--json", type=Path, help="write the report here")
     compile_gate.add_argument("--markdown", type=Path, help="write the table here")
     compile_gate.set_defaults(handler=_bench_kernels_compile)
+    control = kinds.add_parser(
+        "control-plane",
+        help="the control plane alone: the real cluster with workers whose forward is a fixed simulated time (starts its own servers)",
+        description=control_plane.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_flags(control, control_plane.ControlPlaneBenchConfig)
+    control.add_argument("--json", type=Path, default=control_plane.DEFAULT_JSON, help="write the results here (default: %(default)s)")
+    control.add_argument("--markdown", type=Path, help="write the table here")
+    control.set_defaults(handler=_bench_control_plane)
     for name, module, config, help_text in (  # the studies behind docs/benchmarks.md and docs/accuracy.md
         ("dense-decode", dense_decode, dense_decode.DenseDecodeBenchConfig, "dense decode tok/s of the engine against HF transformers"),
         (
@@ -190,6 +209,12 @@ def _bench_kernels_compile(args: argparse.Namespace) -> int:
     from pulseinfer.bench.kernels_compile import KernelsCompileConfig, main
 
     return main(from_flags(KernelsCompileConfig, args), args.json, args.markdown)
+
+
+def _bench_control_plane(args: argparse.Namespace) -> int:
+    from pulseinfer.bench.control_plane import ControlPlaneBenchConfig, main
+
+    return main(from_flags(ControlPlaneBenchConfig, args), args.json, args.markdown)
 
 
 def _bench_study(args: argparse.Namespace) -> int:
