@@ -82,6 +82,29 @@ def test_the_request_table_rebuilds_every_chunk_the_batcher_planned(offload):
         assert batcher.num_offloaded > 0 and named > 0
 
 
+@pytest.mark.parametrize("offload", ["never", "always"])
+def test_a_steady_decode_plan_is_o_batch_bytes_whatever_the_context(offload):
+    """A decode step's plan names each row by its handle: the same bytes at 512 and 32k tokens of
+    context (block grants aside: a block id's varint grows with the pool, not the context), within
+    32 bytes a row with the grants, resident and offloaded."""
+    batch = 64
+    sizes: dict[int, list[tuple[bool, int]]] = {}
+    for context in (512, 32768):
+        blocks = batch * (context // B + 8)
+        batcher = _batcher(blocks, prefill_chunk=1 << 22, max_batch_size=batch, offload=offload, offload_blocks=6, host=HostBlocks(blocks))
+        for i in range(batch):
+            prompt = [1 + (i * 7 + j) % 999 for j in range(context)]
+            batcher.add(Sequence.admit(f"r{i}", prompt, SamplingParams(max_tokens=64), vocab_size=1000))
+        plans = [batcher.schedule() for _ in range(40)]  # planned ahead: every decode row is fed back
+        steady = [p for p in plans if p.steady]
+        assert len(steady) == 39 and all(len(p.chunks) == batch for p in steady)
+        messages = [worker_pb2.SchedulerMessage(plan=plan_to_proto(p)) for p in steady]
+        sizes[context] = [(bool(m.plan.grant_handles), len(m.SerializeToString())) for m in messages]
+    assert [n for grants, n in sizes[512] if not grants] == [n for grants, n in sizes[32768] if not grants]
+    assert [grants for grants, _ in sizes[512]] == [grants for grants, _ in sizes[32768]]
+    assert max(n for _, n in sizes[32768]) <= 32 * batch + 64
+
+
 def _fed(chunk, sampled_by):
     if chunk.token_ids == (PENDING_TOKEN,):
         return replace(chunk, token_ids=(sampled_by[chunk.seq_id][-1],))
