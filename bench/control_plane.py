@@ -114,6 +114,10 @@ class ControlPlaneBenchConfig:
             "--max-batch-size": max(b for b, _ in self.points),
             "--prefill-chunk": self.prefill_chunk,
             "--device-kv-tokens": self.device_kv_tokens,
+            # every request's history in the host pool, as in the paper's setting: a fixed device footprint
+            # each, so that a burst of 256 x 32k runs at once (with auto, the first arrivals would take
+            # the pool resident and the rest would wait for them)
+            "--offload": "always",
             "--host-kv-tokens": self.host_kv_tokens,
         }
         return [str(x) for item in flags.items() for x in item]
@@ -129,8 +133,8 @@ def ordinary_ids(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
 
 
 def build_requests(pool: np.ndarray, batch: int, context: int, output_tokens: int, seed: int) -> list[bytes]:
-    """HTTP/1.0 requests of distinct random prompts given as token ids (no tokenization on the way):
-    the body ends with the connection, so the response has no chunked framing to strip."""
+    """HTTP requests of distinct random prompts given as token ids (no tokenization on the way), each
+    on a connection of its own that the response closes."""
     prompts = pool[np.random.default_rng([seed, batch, context]).integers(0, len(pool), (batch, context))]
     head = b'{"prompt":['
     tail = (
@@ -140,7 +144,7 @@ def build_requests(pool: np.ndarray, batch: int, context: int, output_tokens: in
     for prompt in prompts:
         body = head + ",".join(map(str, prompt.tolist())).encode() + tail
         out.append(
-            b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
@@ -208,6 +212,29 @@ class LiveWindow:
             self.end = asyncio.ensure_future(self.scrape())
 
 
+class Dechunker:
+    """The body of an HTTP/1.1 chunked response, as its reads arrive (chunks may split anywhere)."""
+
+    def __init__(self) -> None:
+        self.raw = b""
+        self.ended = False
+
+    def feed(self, data: bytes) -> bytes:
+        self.raw += data
+        body = []
+        while not self.ended:
+            line, found, rest = self.raw.partition(b"\r\n")
+            if not found:
+                break
+            size = int(line.split(b";", 1)[0], 16)
+            if len(rest) < size + 2:
+                break
+            body.append(rest[:size])
+            self.raw = rest[size + 2 :]
+            self.ended = size == 0
+        return b"".join(body)
+
+
 class Stream(asyncio.Protocol):
     """One streaming completion on its own connection: the time of each read, its events split out."""
 
@@ -215,6 +242,7 @@ class Stream(asyncio.Protocol):
         self.request, self.timeline, self.window = request, timeline, window
         self.buffer = b""
         self.status: int | None = None
+        self.chunks: Dechunker | None = None  # a chunked response's framing, stripped as it arrives
         self.done = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -222,12 +250,15 @@ class Stream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
-        self.buffer += data
         if self.status is None:
-            head, found, rest = self.buffer.partition(b"\r\n\r\n")
+            self.buffer += data
+            head, found, data = self.buffer.partition(b"\r\n\r\n")
             if not found:
                 return
-            self.status, self.buffer = int(head.split(b" ", 2)[1]), rest
+            self.status, self.buffer = int(head.split(b" ", 2)[1]), b""
+            if b"transfer-encoding: chunked" in head.lower():
+                self.chunks = Dechunker()
+        self.buffer += self.chunks.feed(data) if self.chunks is not None else data
         if self.status != 200:
             return  # the body is the error, read whole
         *events, self.buffer = self.buffer.split(b"\n\n")

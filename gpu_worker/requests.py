@@ -9,7 +9,7 @@ runner sampled. A request that sampled a stop token is dropped from the plan alr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.scheduler.plan import BlockNames, Chunk, SamplingSpec, StepOutcome, StepPlan
@@ -27,10 +27,24 @@ class Running:
     offloaded: bool
     host_prefix: tuple[int, ...]
     stops: frozenset[int]
-    tokens: list[int]  # from position base on: the prefill tokens sent, then those it sampled
+    known: int  # positions with a token: those sent for its prefill, then those it sampled
+    last: int  # the token at position known - 1 (a decode row's input); no other is kept
     fed: int  # positions that have been run (or run in the step being built)
     table: tuple[int, ...] = ()
     ended: bool = False  # it sampled a stop token, or this worker failed it: later chunks of it are dropped
+
+
+@dataclass
+class Staged:
+    """A plan taken in but for its decode rows, which wait for the tokens of the step before it."""
+
+    step_id: int
+    decode: list[int]  # handles
+    released: tuple[str, ...]  # requests whose runner state the step frees
+    prefill: list[Chunk] = field(default_factory=list)
+    names: tuple[BlockNames, ...] = ()
+    handles: dict[str, int] = field(default_factory=dict)  # seq_id -> handle, of the step's chunks
+    failed: dict[int, str] = field(default_factory=dict)  # chunks that cannot run here, by handle, with why
 
 
 class RequestTable:
@@ -48,21 +62,31 @@ class RequestTable:
     def apply(self, plan: worker_pb2.StepPlan) -> tuple[StepPlan, dict[int, str]]:
         """The chunks to run, decode rows first as the scheduler plans them; and the handles of chunks
         that cannot run here, with why."""
+        return self.build(self.stage(plan))
+
+    def stage(self, plan: worker_pb2.StepPlan) -> Staged:
+        """What of a plan does not wait for the step before it: releases, admissions, new blocks,
+        prefill chunks, names. It may run while that step's forward does (overlapped scheduling)."""
         released = self._release(plan.released)
         for admission in plan.admitted:
             self.running[admission.handle] = self._admit(admission)
         self._grant(plan.grant_handles, plan.grant_blocks)
-        failed: dict[int, str] = {}
-        self._step_handles = {}
-        chunks = [c for h in plan.decode if (c := self._decode(h, failed)) is not None]
+        staged = Staged(plan.step_id, list(plan.decode), tuple(released))
         offset = 0
         for handle, count in zip(plan.prefill_handles, plan.prefill_lengths):
-            chunk = self._prefill(handle, list(plan.prefill_tokens[offset : offset + count]), failed)
+            chunk = self._prefill(handle, list(plan.prefill_tokens[offset : offset + count]), staged)
             offset += count
             if chunk is not None:
-                chunks.append(chunk)
-        names = self._names(plan.name_handles, plan.name_blocks, plan.names)
-        return StepPlan(plan.step_id, tuple(chunks), tuple(released), names), failed
+                staged.prefill.append(chunk)
+        staged.names = self._names(plan.name_handles, plan.name_blocks, plan.names)
+        return staged
+
+    def build(self, staged: Staged) -> tuple[StepPlan, dict[int, str]]:
+        """The step's chunks once the step before it is recorded: its decode rows, each fed the token
+        its request sampled last, then its prefill chunks."""
+        self._step_handles = staged.handles
+        chunks = [c for h in staged.decode if (c := self._decode(h, staged)) is not None]
+        return StepPlan(staged.step_id, tuple(chunks + staged.prefill), staged.released, staged.names), staged.failed
 
     def record(self, outcome: StepOutcome) -> tuple[list[int], list[int], dict[int, str]]:
         """Takes the sampled tokens in; the tokens as (handles, token ids) and the failed requests by handle."""
@@ -72,7 +96,8 @@ class RequestTable:
             entry = self.running.get(handle)
             if entry is None:
                 continue
-            entry.tokens.append(sampled.token_id)
+            entry.known += 1
+            entry.last = sampled.token_id
             s = entry.sampling
             entry.sampling = SamplingSpec(s.temperature, s.top_p, s.top_k, s.seed, s.step + 1)
             entry.ended = sampled.token_id in entry.stops
@@ -108,7 +133,8 @@ class RequestTable:
         if self.eos_id is not None and not a.ignore_eos:
             stops.add(self.eos_id)
         sampling = sampling_from_proto(a.sampling)
-        return Running(a.seq_id, a.start_pos, a.length, sampling, a.offloaded, tuple(a.host_prefix), frozenset(stops), [], a.start_pos)
+        start = a.start_pos
+        return Running(a.seq_id, start, a.length, sampling, a.offloaded, tuple(a.host_prefix), frozenset(stops), start, -1, start)
 
     def _grant(self, handles, blocks) -> None:
         grants: dict[int, list[int]] = {}
@@ -118,35 +144,36 @@ class RequestTable:
             if (entry := self.running.get(handle)) is not None:
                 entry.table += tuple(new)
 
-    def _decode(self, handle: int, failed: dict[int, str]) -> Chunk | None:
+    def _decode(self, handle: int, staged: Staged) -> Chunk | None:
         entry = self.running.get(handle)
         if entry is None:
-            failed[handle] = f"admission {handle} is not running on this worker"
+            staged.failed[handle] = f"admission {handle} is not running on this worker"
             return None
         if entry.ended:
             return None
-        if entry.fed - entry.base != len(entry.tokens) - 1:
-            known = len(entry.tokens) + entry.base
-            failed[handle] = f"request {entry.seq_id}: the plan decodes position {entry.fed}, this worker has tokens to {known}"
+        if entry.fed != entry.known - 1:
+            known = entry.known
+            staged.failed[handle] = f"request {entry.seq_id}: the plan decodes position {entry.fed}, this worker has tokens to {known}"
             entry.ended = True
             return None
         entry.fed += 1
-        self._step_handles[entry.seq_id] = handle
-        return Chunk(entry.seq_id, (entry.tokens[-1],), entry.fed - 1, entry.table, entry.sampling, entry.offloaded)
+        staged.handles[entry.seq_id] = handle
+        return Chunk(entry.seq_id, (entry.last,), entry.fed - 1, entry.table, entry.sampling, entry.offloaded)
 
-    def _prefill(self, handle: int, tokens: list[int], failed: dict[int, str]) -> Chunk | None:
+    def _prefill(self, handle: int, tokens: list[int], staged: Staged) -> Chunk | None:
         entry = self.running.get(handle)
         if entry is None:
-            failed[handle] = f"admission {handle} is not running on this worker"
+            staged.failed[handle] = f"admission {handle} is not running on this worker"
             return None
         start, end = entry.fed, entry.fed + len(tokens)
-        if end > entry.length:
-            failed[handle] = f"request {entry.seq_id}: a prefill chunk to position {end} past its {entry.length} tokens"
+        if not tokens or end > entry.length:
+            have = entry.length
+            staged.failed[handle] = f"request {entry.seq_id}: a prefill chunk of {len(tokens)} tokens to position {end} (it has {have})"
             entry.ended = True
             return None
-        entry.tokens += tokens
-        entry.fed = end
-        self._step_handles[entry.seq_id] = handle
+        entry.known = entry.fed = end
+        entry.last = tokens[-1]
+        staged.handles[entry.seq_id] = handle
         sampling = entry.sampling if end == entry.length else None
         host_prefix = entry.host_prefix if start == entry.base else ()
         return Chunk(entry.seq_id, tuple(tokens), start, entry.table, sampling, entry.offloaded, host_prefix)

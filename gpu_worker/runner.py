@@ -69,6 +69,15 @@ class WorkerConfig:
         return KVCacheSpec.for_tokens(self.device_kv_tokens, self.block_size)
 
 
+@dataclass(frozen=True)
+class Launched:
+    """A step whose forward has started: `wait` returns its outcome; `ends_at` (perf_counter) is
+    when the forward is expected to end, 0 when it has ended (or is not known)."""
+
+    wait: Callable[[], StepOutcome]
+    ends_at: float = 0.0
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: WorkerConfig, host: HostTier | None = None):
         self.config = config
@@ -135,6 +144,13 @@ class ModelRunner:
     def offload_blocks(self) -> int:
         """Device blocks one offloaded request holds; 0 without a host pool (nothing can be offloaded)."""
         return self.offload.geometry.device_blocks if self.offload is not None else 0
+
+    launches_async = False  # launch() runs the step: its Python drives every kernel and waits for the sampled tokens
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """The worker's step (gpu_worker/server.py StepRunner): run now, its outcome handed back."""
+        outcome = self.execute(plan)
+        return Launched(lambda: outcome)
 
     def execute(self, plan: StepPlan, pick: Pick | None = None) -> StepOutcome:
         """Runs one step. `pick` chooses each sampled chunk's token from its logits (default: the

@@ -20,8 +20,8 @@ from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.common.peer import PeerLoss
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
-from pulseinfer.gpu_worker.requests import RequestTable
-from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.gpu_worker.requests import RequestTable, Staged
+from pulseinfer.gpu_worker.runner import Launched, WorkerConfig
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.scheduler.plan import StepOutcome, StepPlan
 from pulseinfer.scheduler.wire import recall_to_proto
@@ -61,11 +61,42 @@ class StepRunner(Protocol):
     max_running: int
     offload: OffloadManager | None
 
-    def execute(self, plan: StepPlan) -> StepOutcome: ...
+    # launch() returns while the forward runs (a device's kernels); the worker then sends the last
+    # step's result meanwhile. False: launch() runs the step, so that result goes out before it.
+    launches_async: bool
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """Starts the step."""
+        ...
 
     def release_all(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Started:
+    """A step whose forward was launched (or that failed before it could be)."""
+
+    step_id: int
+    refused: dict[int, str]  # chunks the request table could not build, by handle
+    started: float
+    launched: Launched
+
+
+@dataclass(frozen=True)
+class StageFailed:
+    """A plan the request table could not take: its step fails."""
+
+    step_id: int
+    error: Exception
+
+
+def _raise(error: Exception) -> Launched:
+    def wait() -> StepOutcome:
+        raise error
+
+    return Launched(wait)
 
 
 @dataclass(frozen=True)
@@ -101,20 +132,44 @@ class Worker:
             self.heartbeat.eos_id = model.eos_id
 
     def execute(self, message: worker_pb2.StepPlan) -> worker_pb2.StepResult:
-        """One step. Busy: the time inside the runner; idle: from the end of the previous step's
-        forward to the start of this one (results out, the plan in, the request table)."""
-        result = worker_pb2.StepResult(step_id=message.step_id)
+        """One step, start to end."""
+        return self.finish(self.start(self.stage(message)))
+
+    def stage(self, message: worker_pb2.StepPlan) -> Staged | StageFailed:
+        """The plan taken into the request table but for its decode rows (gpu_worker/requests.py):
+        with overlap, while the step before it runs."""
         try:
-            plan, refused = self.table.apply(message)
+            return self.table.stage(message)
+        except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
+            return StageFailed(message.step_id, e)
+
+    def start(self, staged: Staged | StageFailed) -> Started:
+        """Its decode rows built (the step before it recorded) and its forward launched; a failure
+        here is the step's, reported by finish()."""
+        started = time.perf_counter()
+        try:
+            if isinstance(staged, StageFailed):
+                raise staged.error
+            plan, refused = self.table.build(staged)
             started = time.perf_counter()
-            outcome = self.runner.execute(plan)
+            return Started(staged.step_id, refused, started, self.runner.launch(plan))
+        except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
+            return Started(staged.step_id, {}, started, _raise(e))
+
+    def finish(self, step: Started) -> worker_pb2.StepResult:
+        """The step's outcome, recorded. Busy: from the launch to the outcome (the forward); idle: from
+        the end of the previous step's forward to this launch (the plan in, the request table)."""
+        result = worker_pb2.StepResult(step_id=step.step_id)
+        try:
+            outcome = step.launched.wait()
             ended = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
-            log.exception("step %d failed", message.step_id)
+            log.exception("step %d failed", step.step_id)
             self.table.fail_step()
             self._last_forward_end = None
             result.error = f"{type(e).__name__}: {e}"
             return result
+        started, refused = step.started, step.refused
         if self._last_forward_end is not None:
             result.idle_s = started - self._last_forward_end
         self._last_forward_end = ended
@@ -142,14 +197,7 @@ class Worker:
             self.config.scheduler,
         )
         try:
-            while not stop.is_set():
-                self._drop_what_peers_lost(scheduler_loss)
-                if not socket.poll(POLL_MS):
-                    continue
-                message = worker_pb2.SchedulerMessage.FromString(socket.recv())
-                if message.WhichOneof("kind") != "plan":
-                    return
-                socket.send(worker_pb2.WorkerMessage(result=self.execute(message.plan)).SerializeToString())
+            self._steps(socket, stop, scheduler_loss)
         finally:
             stop.set()
             beats.join()
@@ -157,12 +205,57 @@ class Worker:
             socket.close()
             self.runner.close()
 
-    def _drop_what_peers_lost(self, scheduler_loss: PeerLoss) -> None:
+    def _steps(self, socket: zmq.Socket, stop: threading.Event, scheduler_loss: PeerLoss) -> None:
+        """Plans in, results out, until a shutdown. With a runner whose forward runs apart from this
+        thread (a device), the time between two forwards is only the decode rows' build: the next
+        plan, queued by overlapped scheduling, is staged and the last result sent while a forward runs."""
+        overlap = self.runner.launches_async
+        unsent: bytes | None = None  # the last step's result
+        staged: Staged | StageFailed | None = None  # the next step's plan
+        while not stop.is_set():
+            if self._drop_what_peers_lost(scheduler_loss):
+                unsent = staged = None
+            if staged is None:
+                if unsent is not None and not (overlap and socket.poll(0)):
+                    socket.send(unsent)  # no plan queued: the scheduler plans the next step from this result
+                    unsent = None
+                if not socket.poll(POLL_MS):
+                    continue
+                if (staged := self._receive(socket)) is None:
+                    return
+            step = self.start(staged)
+            staged = None
+            if unsent is not None:
+                socket.send(unsent)
+                unsent = None
+            if overlap:
+                staged, shutdown = self._plan_during(socket, step)
+                if shutdown:
+                    self.finish(step)
+                    return
+            unsent = worker_pb2.WorkerMessage(result=self.finish(step)).SerializeToString()
+
+    def _plan_during(self, socket: zmq.Socket, step: Started) -> tuple[Staged | StageFailed | None, bool]:
+        """The next plan, staged if it arrives before the step's forward is expected to end; and
+        whether a shutdown came instead."""
+        while (left_ms := int((step.launched.ends_at - time.perf_counter()) * 1e3)) > 0:
+            if socket.poll(left_ms):
+                staged = self._receive(socket)
+                return staged, staged is None
+        return None, False
+
+    def _receive(self, socket: zmq.Socket) -> Staged | StageFailed | None:
+        """The next plan, staged; None for a shutdown."""
+        message = worker_pb2.SchedulerMessage.FromString(socket.recv())
+        return self.stage(message.plan) if message.WhichOneof("kind") == "plan" else None
+
+    def _drop_what_peers_lost(self, scheduler_loss: PeerLoss) -> bool:
         """Between steps: a scheduler that died took its requests with it, so their host blocks and
         sliding-window rings are freed now (nobody will release them); a kv_store that died took
         every offloaded request's KV, so its pool is unmapped now, not when the next offloaded
-        request finds it gone."""
-        if scheduler_loss.happened():
+        request finds it gone. Returns whether the scheduler went away."""
+        scheduler_lost = scheduler_loss.happened()
+        if scheduler_lost:
             log.warning("the scheduler went away: freeing the device and host state of the requests it had planned")
             self.table.clear()
             self.runner.release_all()
@@ -171,6 +264,7 @@ class Worker:
         if offload is not None and self.host_lost is not None and self.host_lost():
             log.warning("the kv_store went away: dropping %d offloaded requests and unmapping its pool", len(offload.seqs))
             offload.detach()
+        return scheduler_lost
 
     def _beat(self, context: zmq.Context, stop: threading.Event) -> None:
         socket = context.socket(zmq.DEALER)

@@ -17,7 +17,7 @@ import time
 
 from pulseinfer.common.model.tokenizer import Tokenizer
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
-from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.gpu_worker.runner import Launched, WorkerConfig
 from pulseinfer.scheduler.plan import Chunk, RecallStats, SampledToken, SamplingSpec, StepOutcome, StepPlan
 
 # each a single token of the usual BPE vocabularies (with its leading space); the tokenizer decides
@@ -47,6 +47,7 @@ class SimulatedRunner:
 
     offload = None  # no host tier is mapped: offloaded requests are checked for their device footprint only
     max_running = 0  # no sliding-window rings: as many requests as the device pool holds
+    launches_async = True  # its forward runs on a timer, as a device's kernels run, while the worker's thread goes on
 
     def __init__(self, config: WorkerConfig, tokenizer: Tokenizer, step_ms: float):
         if not step_ms > 0:
@@ -64,16 +65,27 @@ class SimulatedRunner:
         """Nothing to unmap: no cache, no host pool."""
 
     def execute(self, plan: StepPlan) -> StepOutcome:
-        """The step's accounting, then a sleep until step_ms after it began (the forward); a step
-        whose chunks all failed, or that only releases, runs no forward, as on a real worker."""
+        return self.launch(plan).wait()
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """The step's accounting, then a forward that ends step_ms after it began, on its own clock
+        as a device's does: the worker's thread is free meanwhile and the returned call waits for
+        the end. A step whose chunks all failed, or that only releases, runs no forward, as on a
+        real worker."""
         started = time.perf_counter()
         failed = {c.seq_id: why for c in plan.chunks if (why := self.refusal(c)) is not None}
         runs = [c for c in plan.chunks if c.seq_id not in failed]
         if not runs:
-            return StepOutcome([], failed)
+            return Launched(lambda: StepOutcome([], failed))
         tokens = [SampledToken(c.seq_id, simulated_token(self.words, c.sampling)) for c in runs if c.sampling is not None]
-        time.sleep(max(0.0, started + self.step_s - time.perf_counter()))
-        return StepOutcome(tokens, failed, RecallStats(), self.step_s)
+
+        ends_at = started + self.step_s
+
+        def wait() -> StepOutcome:
+            time.sleep(max(0.0, ends_at - time.perf_counter()))
+            return StepOutcome(tokens, failed, RecallStats(), self.step_s)
+
+        return Launched(wait, ends_at)
 
     def refusal(self, chunk: Chunk) -> str | None:
         """Why a real worker could not run the chunk with its block table, or None."""

@@ -297,9 +297,8 @@ class Batcher:
 
     def _table(self, seq: Sequence) -> tuple[int, ...]:
         """Its device blocks; a table only grows while it runs, so the tuple is rebuilt when it has."""
-        blocks = self.allocator.blocks_of(seq.seq_id)
-        if len(blocks) != len(seq.block_table):
-            seq.block_table = tuple(blocks)
+        if self.allocator.count_of(seq.seq_id) != len(seq.block_table):
+            seq.block_table = tuple(self.allocator.blocks_of(seq.seq_id))
         return seq.block_table
 
     def _host_names(self) -> tuple[BlockNames, ...]:
@@ -311,20 +310,21 @@ class Batcher:
         for seq in self.running:
             full = min(seq.num_cached, seq.num_known) // self.limits.block_size
             if seq.offloaded and full > seq.num_host_named:
-                names = self._names(seq, full)[seq.num_host_named :]
+                names = self._names(seq, full, seq.num_host_named)
                 out.append(BlockNames(seq.seq_id, seq.handle, seq.num_host_named, tuple(names)))
                 seq.num_host_named = full
         return tuple(out)
 
     # ------------------------------------------------------------ prefix cache
 
-    def _names(self, seq: Sequence, count: int) -> list[bytes]:
-        """The prefix-cache names of the sequence's first `count` full blocks (computed once)."""
+    def _names(self, seq: Sequence, count: int, first: int = 0) -> list[bytes]:
+        """The prefix-cache names of the sequence's full blocks first..count-1 (computed once; a
+        caller that wants only the new ones says so: at 32k tokens the list has 2048)."""
         have, size = len(seq.block_names), self.limits.block_size
         if count > have:
             parent = seq.block_names[-1] if have else ROOT
             seq.block_names += chain_hashes(list(seq.ids(have * size, count * size)), size, 0, count - have, parent)
-        return seq.block_names[:count]
+        return seq.block_names[first:count]
 
     def cached_prefix_blocks(self, seq: Sequence) -> int:
         """Full blocks of the request's longest cached prefix a resident placement would reuse.
@@ -380,8 +380,8 @@ class Batcher:
             return
         full = seq.num_computed // self.limits.block_size
         if full > seq.num_named:
-            names = self._names(seq, full)
-            self.prefix.insert(names[seq.num_named :], self.allocator.blocks_of(seq.seq_id)[seq.num_named : full])
+            names = self._names(seq, full, seq.num_named)
+            self.prefix.insert(names, self.allocator.blocks_of(seq.seq_id)[seq.num_named : full])
             seq.num_named = full
 
     def _free_blocks(self) -> int:
@@ -457,13 +457,15 @@ class Batcher:
         return self._whole_blocks(seq) - self.cached_prefix_blocks(seq)
 
     def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
-        have = len(self.allocator.blocks_of(seq.seq_id))
+        have = self.allocator.count_of(seq.seq_id)
         if seq.offloaded:  # a fixed footprint, whatever the length
             return self.limits.offload_blocks - have
         return max(0, -(-tokens // self.limits.block_size) - have)
 
     def _grow(self, seq: Sequence, tokens: int) -> bool:
         need = self._blocks_needed(seq, tokens)
+        if need <= 0:
+            return True
         if need > self.allocator.num_free and self.prefix is not None:
             self.prefix.evict(need - self.allocator.num_free)
         if not self.allocator.can_allocate(need):

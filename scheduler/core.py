@@ -188,7 +188,7 @@ class SchedulerCore:
         if not self.workers:
             raise NoWorkers("no worker is alive")
         vocab_size = next(iter(self.workers.values())).vocab_size
-        seq = Sequence.admit(seq_id, list(request.prompt_ids), params_from_proto(request.sampling), vocab_size)
+        seq = Sequence.admit(seq_id, request.prompt_ids, params_from_proto(request.sampling), vocab_size)
         # the worker whose device pool caches the longest prefix of it, then the least loaded
         worker = max(self.workers.values(), key=lambda w: (w.batcher.cached_prefix_blocks(seq), -w.load))
         worker.batcher.add(seq)

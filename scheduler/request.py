@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pulseinfer.scheduler.plan import SamplingSpec
@@ -63,7 +64,7 @@ class SeqStatus(enum.Enum):
 @dataclass
 class Sequence:
     seq_id: str
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]  # a tuple of ints the garbage collector untracks; a list of 32k it would scan at every full collection
     params: SamplingParams
     seed: int  # params.seed, or one drawn at admission so retries stay reproducible
     output_ids: list[int] = field(default_factory=list)
@@ -87,17 +88,18 @@ class Sequence:
     block_table: tuple[int, ...] = ()  # its device blocks as last sent (rebuilt only when they change)
 
     @classmethod
-    def admit(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> Sequence:
+    def admit(cls, seq_id: str, prompt_ids: Iterable[int], params: SamplingParams, vocab_size: int) -> Sequence:
         """Checks a request (ValueError naming the problem) and draws its seed when it has none."""
         params.validate(vocab_size)
+        prompt_ids = tuple(prompt_ids)
         check_token_ids(prompt_ids, vocab_size, "prompt token ids")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return cls(seq_id, list(prompt_ids), params, seed)
+        return cls(seq_id, prompt_ids, params, seed)
 
     @property
     def all_ids(self) -> list[int]:
         """The tokens known so far (not those of steps in flight)."""
-        return self.prompt_ids + self.output_ids
+        return [*self.prompt_ids, *self.output_ids]
 
     def ids(self, start: int, end: int) -> tuple[int, ...]:
         """Known tokens start..end-1, without copying the whole context."""

@@ -43,7 +43,8 @@ def _batcher(blocks: int, **config) -> Batcher:
 def test_the_request_table_rebuilds_every_chunk_the_batcher_planned(offload):
     """Plans over the wire, applied to a worker's request table, give back the batcher's chunks, the
     decode rows fed the tokens the worker sampled; through chunked prefill, prefix reuse, preemption,
-    offloading and finished requests, two steps in flight."""
+    offloading and finished requests, two steps in flight: the second staged before the first's
+    tokens are recorded, as a worker does while a forward runs."""
     rng = random.Random(0)
     host = HostBlocks(4096)
     batcher = _batcher(24, prefill_chunk=40, offload=offload, offload_blocks=6, host=host)
@@ -55,13 +56,15 @@ def test_the_request_table_rebuilds_every_chunk_the_batcher_planned(offload):
     inflight: deque = deque()
     sampled_by: dict[str, list[int]] = {}
     named = dropped = pending = 0
+    staged = None  # of inflight[0]
     for _ in range(2000):
         while len(inflight) < 2 and (plan := batcher.schedule()) is not None:
             inflight.append(plan)
         if not inflight:
             break
         plan = inflight.popleft()  # the worker runs the oldest plan sent
-        rebuilt, failed = table.apply(worker_pb2.StepPlan.FromString(plan_to_proto(plan).SerializeToString()))
+        rebuilt, failed = table.build(staged or table.stage(_over_the_wire(plan)))
+        staged = table.stage(_over_the_wire(inflight[0])) if inflight else None
         assert not failed
         expected = [_fed(c, sampled_by) for c in plan.chunks if not _ended(c, sampled_by)]
         assert [_runner_view(c) for c in rebuilt.chunks] == [_runner_view(c) for c in expected]
@@ -103,6 +106,10 @@ def test_a_steady_decode_plan_is_o_batch_bytes_whatever_the_context(offload):
     assert [n for grants, n in sizes[512] if not grants] == [n for grants, n in sizes[32768] if not grants]
     assert [grants for grants, _ in sizes[512]] == [grants for grants, _ in sizes[32768]]
     assert max(n for _, n in sizes[32768]) <= 32 * batch + 64
+
+
+def _over_the_wire(plan) -> worker_pb2.StepPlan:
+    return worker_pb2.StepPlan.FromString(plan_to_proto(plan).SerializeToString())
 
 
 def _fed(chunk, sampled_by):
@@ -162,10 +169,13 @@ def _serve(engine: Engine, requests: list[tuple[str, list[int], SamplingParams, 
         message = generate_pb2.ScheduleRequest(request_id=seq_id, prompt_ids=prompt, sampling=params_to_proto(params))
         core.submit(message, sink(seq_id))
     queue: deque[tuple[bytes, bytes]] = deque()
+    staged = None  # of queue[0], staged while the step before it ran, as the worker does with overlap
     while queue or core.requests or any(w.batcher.has_work() for w in core.workers.values()):
         queue += core.dispatch()  # the last plans release what finished
         identity, payload = queue.popleft()
-        core.on_result(identity, worker.execute(worker_pb2.SchedulerMessage.FromString(payload).plan))
+        step = worker.start(staged or worker.stage(worker_pb2.SchedulerMessage.FromString(payload).plan))
+        staged = worker.stage(worker_pb2.SchedulerMessage.FromString(queue[0][1]).plan) if queue else None
+        core.on_result(identity, worker.finish(step))
         for seq_id in list(core.requests):
             if streams[seq_id].stopped or 0 < limits[seq_id] <= len(seen[seq_id]):
                 core.abort(seq_id)

@@ -201,7 +201,7 @@ def test_requests_are_distinct_prompts_of_ordinary_ids(tokenizer):
     pool = cp.ordinary_ids(tokenizer, vocab_size=151936)
     assert pool.min() == 17 and pool.max() == 49151  # SmolLM2's 17 special tokens first
     first, second = cp.build_requests(pool, batch=2, context=300, output_tokens=8, seed=0)
-    assert first.startswith(b"POST /v1/completions HTTP/1.0\r\n") and first != second
+    assert first.startswith(b"POST /v1/completions HTTP/1.1\r\n") and first != second
     assert first == cp.build_requests(pool, batch=2, context=300, output_tokens=8, seed=0)[0]
     body = first.partition(b"\r\n\r\n")[2]
     assert len(body) == int(first.split(b"Content-Length: ")[1].split(b"\r\n")[0])
@@ -211,9 +211,10 @@ def test_requests_are_distinct_prompts_of_ordinary_ids(tokenizer):
     assert parsed == {"max_tokens": 8, "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
-def test_streams_and_window_reads_against_a_fake_gateway():
-    """Two requests over real sockets, events split across reads: the window reads /metrics after the
-    second request's first token and at the first finish."""
+@pytest.mark.parametrize("chunked", [False, True])
+def test_streams_and_window_reads_against_a_fake_gateway(chunked):
+    """Two requests over real sockets, events split across reads (and across the chunks' framing):
+    the window reads /metrics after the second request's first token and at the first finish."""
     scrapes = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -223,10 +224,14 @@ def test_streams_and_window_reads_against_a_fake_gateway():
             writer.write(b'HTTP/1.1 200 OK\r\n\r\npulseinfer:steps_total{worker="0"} %d\n' % len(scrapes))
         else:
             await reader.readexactly(int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]))
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
-            for event in gateway_events(3):
-                for half in (event[:20], event[20:]):
-                    writer.write(half.encode())
+            framing = b"Transfer-Encoding: chunked\r\n" if chunked else b""
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n" + framing + b"\r\n")
+            body = [e.encode() for e in gateway_events(3)]
+            if chunked:
+                body = [b"%x\r\n%s\r\n" % (len(e), e) for e in body] + [b"0\r\n\r\n"]
+            for event in body:
+                for half in (event[:3], event[3:20], event[20:]):
+                    writer.write(half)
                     await writer.drain()
                     await asyncio.sleep(0.005)
         writer.close()
@@ -266,7 +271,7 @@ def test_a_tiny_run_through_the_real_cluster(tmp_path):
     assert cp.main(config, tmp_path / "cp.json", tmp_path / "cp.md") == 0
     result = json.loads((tmp_path / "cp.json").read_text())
     (row,) = result["rows"]
-    assert row["completion_tokens"] == 2 * 48 and row["offloaded"] == 0 and row["overlap_reported"]
+    assert row["completion_tokens"] == 2 * 48 and row["offloaded"] == 2 and row["overlap_reported"]  # --offload always
     assert row["window_steps"] > 10 and row["steps_per_s"] <= 1.05 * row["ideal_steps_per_s"]
     assert row["tpot_p50_ms"] >= 0.95 * config.simulate_step_ms and row["gateway_tokens_per_s"] > 0
     assert 0 < row["busy"] <= 1 and row["plan_bytes_max"] <= cp.plan_bytes_bound(2)
