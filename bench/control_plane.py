@@ -3,8 +3,8 @@ clients) with workers whose forward is a fixed simulated time (`--simulate-step-
 tool: gpu_worker/simulated.py), so that what slows a step down is the control plane.
 
 For each overlap mode, one `pulseinfer serve` of the Qwen3-8B geometry (no weights) with a device
-KV pool like an H100's for an 8B model (64 requests of 4k fit resident, 256 of 32k do not: some
-are offloaded). For each batch size and context: that many concurrent streaming completions of
+KV pool like an H100's for an 8B model, every request offloaded (its history in the host pool, a
+fixed device footprint: 256 of 32k run at once). For each batch size and context: that many concurrent streaming completions of
 distinct random prompts of that many tokens, `max_tokens` --output-tokens, eos ignored. Measured
 over the steady window, from the moment every request has its first token to the moment the first
 one finishes (/metrics read at both ends; a point whose window holds fewer than --min-window-steps
@@ -14,7 +14,7 @@ requests. The acceptance numbers (overlap on, batch 256, 32k) are checked and pr
 code stays 0. Method and columns: docs/control_plane.md.
 
     pulseinfer bench control-plane [--simulate-step-ms 10] [--batches 1,16,64,256] [--contexts 4096,32768]
-        [--overlap on,off] [--output-tokens 1024] [--min-window-steps 100] [--json docs/results/control_plane.json]
+        [--overlap on,off] [--output-tokens 2048] [--min-window-steps 100] [--json docs/results/control_plane.json]
         [--markdown PATH]
 """
 
@@ -74,10 +74,11 @@ class ControlPlaneBenchConfig:
     overlap: str = "on,off"
     # the first request finishes this many tokens after its first, and the window ends there: at
     # 256 x 32k the ramp (every request admitted and prefilled) takes 128 steps at the prefill budget,
-    # more while the requests reach the scheduler; the rest is the window
-    output_tokens: int = 1024
+    # more while the requests reach the scheduler (4 s on a 2-core VM); the rest is the window. TPOT
+    # covers whole requests: 2048 tokens make the burst's ramp a small part of an early request's life
+    output_tokens: int = 2048
     min_window_steps: int = 100  # a point whose window holds fewer steps runs again with twice the output tokens
-    device_kv_tokens: int = 400_000  # an H100's pool for an 8B model: 64 x 4k fit resident, 256 x 32k are offloaded in part
+    device_kv_tokens: int = 400_000  # an H100's pool for an 8B model: 256 offloaded footprints (1344 tokens each) fit
     host_kv_tokens: int = 1024  # the kv_store's pool (sized from the geometry, prefaulted): the simulated workers never map it
     prefill_chunk: int = 65536  # prefill tokens per step: the ramp takes few steps
     seed: int = 0  # of the prompts

@@ -56,7 +56,9 @@ async def serve(config: GatewayConfig) -> None:
     await set_serving(health, [SERVICE.full_name], True)
 
     app = HttpApi(core, api_key, config.default_max_tokens, config.max_request_bytes).app()
-    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, loop="none", log_level="warning", access_log=False))
+    http = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.http_port, loop="none", http="httptools", log_level="warning", access_log=False)
+    )
     log.info(
         "gateway: model %s, HTTP http://%s:%d, gRPC %s, scheduler %s",
         model_id,

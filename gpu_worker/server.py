@@ -92,6 +92,10 @@ class StageFailed:
     error: Exception
 
 
+def _send(socket: zmq.Socket, result: worker_pb2.StepResult) -> None:
+    socket.send(worker_pb2.WorkerMessage(result=result).SerializeToString())
+
+
 def _raise(error: Exception) -> Launched:
     def wait() -> StepOutcome:
         raise error
@@ -210,14 +214,14 @@ class Worker:
         thread (a device), the time between two forwards is only the decode rows' build: the next
         plan, queued by overlapped scheduling, is staged and the last result sent while a forward runs."""
         overlap = self.runner.launches_async
-        unsent: bytes | None = None  # the last step's result
+        unsent: worker_pb2.StepResult | None = None  # the last step's result, serialized as it goes
         staged: Staged | StageFailed | None = None  # the next step's plan
         while not stop.is_set():
             if self._drop_what_peers_lost(scheduler_loss):
                 unsent = staged = None
             if staged is None:
                 if unsent is not None and not (overlap and socket.poll(0)):
-                    socket.send(unsent)  # no plan queued: the scheduler plans the next step from this result
+                    _send(socket, unsent)  # no plan queued: the scheduler plans the next step from this result
                     unsent = None
                 if not socket.poll(POLL_MS):
                     continue
@@ -226,14 +230,14 @@ class Worker:
             step = self.start(staged)
             staged = None
             if unsent is not None:
-                socket.send(unsent)
+                _send(socket, unsent)
                 unsent = None
             if overlap:
                 staged, shutdown = self._plan_during(socket, step)
                 if shutdown:
                     self.finish(step)
                     return
-            unsent = worker_pb2.WorkerMessage(result=self.finish(step)).SerializeToString()
+            unsent = self.finish(step)
 
     def _plan_during(self, socket: zmq.Socket, step: Started) -> tuple[Staged | StageFailed | None, bool]:
         """The next plan, staged if it arrives before the step's forward is expected to end; and
