@@ -8,6 +8,7 @@ import dataclasses
 import hmac
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -56,7 +57,9 @@ class Prompt:
 @dataclass(frozen=True)
 class Prepared:
     request_id: str
-    prompt_ids: list[int]
+    # a tuple of ints the garbage collector untracks: as lists, 256 prompts of 32k make every full
+    # collection scan 8M items (70 ms measured), a stall of every stream
+    prompt_ids: tuple[int, ...]
     params: SamplingParams
 
 
@@ -122,7 +125,7 @@ class GatewayCore:
             )
         params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         params.validate(vocab)
-        return Prepared(uuid.uuid4().hex, prompt_ids, params)  # unguessable: no client can name another's request
+        return Prepared(uuid.uuid4().hex, tuple(prompt_ids), params)  # unguessable: no client can name another's request
 
     async def generate(self, request: Prepared) -> AsyncIterator[Delta | Final]:
         """Streams text deltas, then one Final. Raises GenerationError only before the first event."""
@@ -151,7 +154,7 @@ class GatewayCore:
         """One Delta per wake-up, however many tokens arrived meanwhile: a gateway that falls
         behind sends fewer, larger events instead of a growing backlog."""
         stream = TextStream(self.tokenizer, request.params.stop, request.prompt_ids)
-        output: list[int] = []
+        output = array("q")  # a container the garbage collector does not scan, as the prompt's tuple
         last_token_at = None
         while True:
             messages = await submitted.pending()
@@ -190,7 +193,7 @@ class GatewayCore:
         return now
 
     def _final(
-        self, request: Prepared, output: list[int], arrived: float, reason: str, error: str = "", timings=None, cached_tokens: int = 0
+        self, request: Prepared, output: array[int], arrived: float, reason: str, error: str = "", timings=None, cached_tokens: int = 0
     ) -> Final:
         self.metrics.e2e.observe(time.perf_counter() - arrived)
         self.metrics.finished.inc(finished_reason=reason)

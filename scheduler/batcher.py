@@ -317,13 +317,13 @@ class Batcher:
 
     # ------------------------------------------------------------ prefix cache
 
-    def _names(self, seq: Sequence, count: int, first: int = 0) -> list[bytes]:
+    def _names(self, seq: Sequence, count: int, first: int = 0) -> tuple[bytes, ...]:
         """The prefix-cache names of the sequence's full blocks first..count-1 (computed once; a
-        caller that wants only the new ones says so: at 32k tokens the list has 2048)."""
+        caller that wants only the new ones says so: at 32k tokens there are 2048)."""
         have, size = len(seq.block_names), self.limits.block_size
         if count > have:
             parent = seq.block_names[-1] if have else ROOT
-            seq.block_names += chain_hashes(list(seq.ids(have * size, count * size)), size, 0, count - have, parent)
+            seq.block_names += tuple(chain_hashes(list(seq.ids(have * size, count * size)), size, 0, count - have, parent))
         return seq.block_names[first:count]
 
     def cached_prefix_blocks(self, seq: Sequence) -> int:
@@ -333,7 +333,7 @@ class Batcher:
             return 0
         return len(self.prefix.match(self._reusable_names(seq)))
 
-    def _reusable_names(self, seq: Sequence) -> list[bytes]:
+    def _reusable_names(self, seq: Sequence) -> tuple[bytes, ...]:
         """Names of the full blocks a placement may reuse: all but the last token's (its logits
         sample the first output token, so it is always computed)."""
         return self._names(seq, (seq.length - 1) // self.limits.block_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import random
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -64,10 +65,13 @@ class SeqStatus(enum.Enum):
 @dataclass
 class Sequence:
     seq_id: str
-    prompt_ids: tuple[int, ...]  # a tuple of ints the garbage collector untracks; a list of 32k it would scan at every full collection
+    # Token ids and block names live in containers the garbage collector does not scan (a tuple of
+    # ints or bytes it untracks, an array): as lists, 256 requests of 32k gave every full collection
+    # millions of items to scan, a late plan every few steps (docs/control_plane.md)
+    prompt_ids: tuple[int, ...]
     params: SamplingParams
     seed: int  # params.seed, or one drawn at admission so retries stay reproducible
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: array[int] = field(default_factory=lambda: array("q"))
     num_cached: int = 0  # tokens whose KV is in the device pool once the steps sent to its worker have run
     num_computed: int = 0  # of those, the tokens its worker has reported computed
     num_pending: int = 0  # tokens sampled by steps sent whose results have not come back (overlapped scheduling)
@@ -76,7 +80,7 @@ class Sequence:
     num_preemptions: int = 0
     offloaded: bool = False  # most of its KV in the host pool; decided each time it is (re)admitted
     cached_tokens: int | None = None  # prompt tokens whose KV the prefix cache had at its first placement
-    block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its leading full blocks
+    block_names: tuple[bytes, ...] = ()  # prefix-cache names of its leading full blocks
     num_named: int = 0  # leading blocks the prefix cache has been given since it last started
     host_cached_blocks: int | None = None  # of its prefix, cached in the host tier when admission first asked
     # while it runs: its admission's handle on its worker, the blocks of its table the worker has, and
