@@ -102,7 +102,9 @@ class GatewayMetrics:
         self.steps = Counter(p + "steps_total", "Steps (prefill and/or decode) the worker has run.")
         self.decode_steps = Counter(p + "decode_steps_total", "Decode steps the worker has run.")
         self.decode_tokens = Counter(p + "decode_tokens_total", "Sequence-steps decoded by the worker (sum of decode batch sizes).")
-        self.step_overhead = Counter(p + "step_overhead_seconds_total", "Scheduler-worker round trip time not spent in the forward pass.")
+        self.step_overhead = Counter(
+            p + "step_overhead_seconds_total", "Step round trip, from when the worker could start it, not in the forward."
+        )
         self.preemptions = Counter(p + "num_preemptions_total", "Sequences preempted for lack of device KV blocks.")
         self.offloaded = Gauge(p + "worker_requests_offloaded", "Running requests whose KV lives mostly in the host pool.")
         self.offloaded_admissions = Counter(p + "offloaded_admissions_total", "Requests admitted as offloaded.")

@@ -74,6 +74,7 @@ class WorkerCounters:
     steady_steps: int = 0
     steady_plan_bytes: int = 0
     steady_plan_bytes_max: int = 0
+    last_result_at: float = 0.0
 
     def sent(self, plan: StepPlan, size: int) -> None:
         self.plan_bytes += size
@@ -82,12 +83,14 @@ class WorkerCounters:
             self.steady_plan_bytes += size
             self.steady_plan_bytes_max = max(self.steady_plan_bytes_max, size)
 
-    def record(self, plan: StepPlan, round_trip_s: float, result: worker_pb2.StepResult, recall: RecallStats) -> None:
-        """A step's result; the round trip counts from the plan's sending (with overlap: from the start of the step before)."""
+    def record(self, plan: StepPlan, sent_at: float, now: float, result: worker_pb2.StepResult, recall: RecallStats) -> None:
+        """A step's result. Its round trip counts from when the worker could start it: the plan's
+        sending, or with overlap (the plan queued behind the step before) that step's result."""
         decode = len(plan.decode_chunks)
         self.steps += 1
         self.recall += recall
-        self.step_overhead_s += max(0.0, round_trip_s - result.forward_s)
+        self.step_overhead_s += max(0.0, now - max(sent_at, self.last_result_at) - result.forward_s)
+        self.last_result_at = now
         self.busy_s += result.forward_s
         self.idle_s += result.idle_s
         if decode:
@@ -242,7 +245,7 @@ class SchedulerCore:
             return  # a late answer from a worker already given up on
         plan, sent_at = worker.inflight.popleft()
         recall = recall_from_proto(result.recall)
-        worker.counters.record(plan, self.clock() - sent_at, result, recall)
+        worker.counters.record(plan, sent_at, self.clock(), result, recall)
         worker.batcher.observe(plan, recall, result.compute_s)
         if result.error:
             worker.batcher.step_done(plan.step_id)
