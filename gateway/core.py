@@ -161,8 +161,7 @@ class GatewayCore:
             tokens = [t for m in messages for t in m.token_ids]
             if tokens:
                 last_token_at = self._observe_tokens(len(tokens), arrived, last_token_at)
-                output.extend(tokens)
-                text = stream.update(output)
+                tokens, text = self._take(stream, output, tokens)
                 if text or not stream.stopped:
                     yield Delta(text, tokens)
                 if stream.stopped:
@@ -176,6 +175,22 @@ class GatewayCore:
                 timings = last.timings if last.HasField("timings") else None
                 yield self._final(request, output, arrived, FINISH_NAMES[last.finish_reason], last.error, timings, last.cached_tokens)
                 return
+
+    @staticmethod
+    def _take(stream: TextStream, output: array[int], tokens: list[int]) -> tuple[list[int], str]:
+        """Tokens that arrived together, taken into the output up to the one that completes a stop
+        string (those after it were sampled, never part of the completion: its usage counts the
+        same however the tokens were batched); with their text."""
+        if not stream.stops:
+            output.extend(tokens)
+            return tokens, stream.update(output)
+        text = []
+        for taken, token in enumerate(tokens, 1):
+            output.append(token)
+            text.append(stream.update(output))
+            if stream.stopped:
+                return tokens[:taken], "".join(text)
+        return tokens, "".join(text)
 
     def _observe_tokens(self, count: int, arrived: float, last_token_at: float | None) -> float:
         """Token metrics for `count` tokens arriving now; returns now. Tokens that arrived together

@@ -197,9 +197,9 @@ def test_a_consumer_that_stops_early_aborts_its_request():
             events = gw.generate(prepared("stops", stop=("cd",)))
             first = asyncio.ensure_future(anext(events))
             await until(lambda: "stops" in core.sinks, "the request submitted")
-            for token in (1, 2, 3):  # one message: the steps came before the session task ran
+            for token in (1, 2, 3, 4):  # one message: the steps came before the session task ran
                 core.step({"stops": token})
-            assert await first == Delta("b", [1, 2, 3])
+            assert await first == Delta("b", [1, 2, 3])  # "d" completes the stop string: "e" was sampled after it
             final = await anext(events)
             assert final.finish_reason == "stop" and final.completion_tokens == 3
             await events.aclose()  # as the front ends do after a Final

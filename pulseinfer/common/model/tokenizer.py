@@ -291,7 +291,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), context_ids: list[int] | None = None):
         self._detok = IncrementalDetokenizer(tokenizer, context_ids)
-        self._stop = stop
+        self.stops = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.emitted = ""
         self.stopped = False
@@ -302,7 +302,7 @@ class TextStream:
             return ""
         self._detok.add(output_ids[self._detok.num_tokens :])
         text = self._detok.text
-        hits = [i for s in self._stop if (i := text.find(s, max(0, len(self.emitted) - self._hold))) >= 0]
+        hits = [i for s in self.stops if (i := text.find(s, max(0, len(self.emitted) - self._hold))) >= 0]
         if hits:
             self.stopped = True
             return self._emit(text[: min(hits)])
