@@ -59,11 +59,6 @@ class RequestTable:
     def clear(self) -> None:
         self.running.clear()
 
-    def apply(self, plan: worker_pb2.StepPlan) -> tuple[StepPlan, dict[int, str]]:
-        """The chunks to run, decode rows first as the scheduler plans them; and the handles of chunks
-        that cannot run here, with why."""
-        return self.build(self.stage(plan))
-
     def stage(self, plan: worker_pb2.StepPlan) -> Staged:
         """What of a plan does not wait for the step before it: releases, admissions, new blocks,
         prefill chunks, names. It may run while that step's forward does (overlapped scheduling)."""
@@ -83,10 +78,12 @@ class RequestTable:
 
     def build(self, staged: Staged) -> tuple[StepPlan, dict[int, str]]:
         """The step's chunks once the step before it is recorded: its decode rows, each fed the token
-        its request sampled last, then its prefill chunks."""
+        its request sampled last, then its prefill chunks; and the handles of chunks that cannot
+        run here, with why."""
         self._step_handles = staged.handles
         chunks = [c for h in staged.decode if (c := self._decode(h, staged)) is not None]
-        return StepPlan(staged.step_id, tuple(chunks + staged.prefill), staged.released, staged.names), staged.failed
+        names = tuple(n for n in staged.names if n.handle not in staged.failed)  # a failed chunk's blocks are not written
+        return StepPlan(staged.step_id, tuple(chunks + staged.prefill), staged.released, names), staged.failed
 
     def record(self, outcome: StepOutcome) -> tuple[list[int], list[int], dict[int, str]]:
         """Takes the sampled tokens in; the tokens as (handles, token ids) and the failed requests by handle."""

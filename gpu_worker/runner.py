@@ -69,6 +69,13 @@ class WorkerConfig:
         return KVCacheSpec.for_tokens(self.device_kv_tokens, self.block_size)
 
 
+def _without(plan: StepPlan, failed: dict[str, str]) -> StepPlan:
+    """The plan less the chunks and the block names of the requests that failed: a block of theirs
+    may not have been written."""
+    chunks = tuple(c for c in plan.chunks if c.seq_id not in failed)
+    return replace(plan, chunks=chunks, names=tuple(n for n in plan.names if n.seq_id not in failed))
+
+
 @dataclass(frozen=True)
 class Launched:
     """A step whose forward has started: `wait` returns its outcome; `ends_at` (perf_counter) is
@@ -201,7 +208,8 @@ class ModelRunner:
         ring, and offloaded ones without host blocks (or without a host pool)."""
         refused = self.window.admit(plan) if self.window is not None else {}
         if self.offload is not None:
-            plan, failed = self.offload.admit(replace(plan, chunks=tuple(c for c in plan.chunks if c.seq_id not in refused)))
-            return plan, refused | failed
-        refused |= {c.seq_id: "this worker has no host KV pool to offload to" for c in plan.chunks if c.offloaded}
-        return replace(plan, chunks=tuple(c for c in plan.chunks if c.seq_id not in refused)), refused
+            plan, failed = self.offload.admit(_without(plan, refused))
+            refused |= failed
+        else:
+            refused |= {c.seq_id: "this worker has no host KV pool to offload to" for c in plan.chunks if c.offloaded}
+        return _without(plan, refused), refused

@@ -135,10 +135,6 @@ class Worker:
         if model.eos_id is not None:
             self.heartbeat.eos_id = model.eos_id
 
-    def execute(self, message: worker_pb2.StepPlan) -> worker_pb2.StepResult:
-        """One step, start to end."""
-        return self.finish(self.start(self.stage(message)))
-
     def stage(self, message: worker_pb2.StepPlan) -> Staged | StageFailed:
         """The plan taken into the request table but for its decode rows (gpu_worker/requests.py):
         with overlap, while the step before it runs."""

@@ -64,9 +64,6 @@ class SimulatedRunner:
     def close(self) -> None:
         """Nothing to unmap: no cache, no host pool."""
 
-    def execute(self, plan: StepPlan) -> StepOutcome:
-        return self.launch(plan).wait()
-
     def launch(self, plan: StepPlan) -> Launched:
         """The step's accounting, then a forward that ends step_ms after it began, on its own clock
         as a device's does: the worker's thread is free meanwhile and the returned call waits for

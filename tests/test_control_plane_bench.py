@@ -52,24 +52,24 @@ def test_simulated_runner_fails_chunks_whose_blocks_do_not_hold_them(tokenizer):
     outside = chunk("outside", 1, (256,))
     offloaded = chunk("offloaded", 4000, tuple(range(10, 10 + FOOTPRINT)), offloaded=True)
     wrong_footprint = chunk("wrong", 4000, tuple(range(100, 100 + FOOTPRINT - 1)), offloaded=True)
-    outcome = runner(tokenizer).execute(StepPlan(1, (fits, short, outside, offloaded, wrong_footprint)))
+    outcome = runner(tokenizer).launch(StepPlan(1, (fits, short, outside, offloaded, wrong_footprint))).wait()
     assert set(outcome.failed) == {"short", "outside", "wrong"}
     assert "holds 32 tokens" in outcome.failed["short"] and "outside the device KV pool" in outcome.failed["outside"]
     assert f"holds {FOOTPRINT} device blocks" in outcome.failed["wrong"]
     assert {t.seq_id for t in outcome.tokens} == {"fits", "offloaded"}  # failed chunks sample nothing
-    dense = runner(tokenizer, "dense").execute(StepPlan(2, (offloaded,)))
+    dense = runner(tokenizer, "dense").launch(StepPlan(2, (offloaded,))).wait()
     assert dense.failed == {"offloaded": "this worker has no host KV pool to offload to"} and not dense.tokens
 
 
 def test_simulated_step_takes_the_step_time_and_an_empty_one_none(tokenizer):
     sim = runner(tokenizer)
     started = time.perf_counter()
-    outcome = sim.execute(StepPlan(1, (chunk("a", 1, (0,)),)))
+    outcome = sim.launch(StepPlan(1, (chunk("a", 1, (0,)),))).wait()
     assert STEP_MS / 1e3 <= time.perf_counter() - started < STEP_MS / 1e3 + 0.05
     assert outcome.compute_s == STEP_MS / 1e3
     started = time.perf_counter()
-    assert sim.execute(StepPlan(2, (), released=("a",))).tokens == []
-    assert sim.execute(StepPlan(3, (chunk("short", 17, (0,)),))).failed  # all failed: no forward either
+    assert sim.launch(StepPlan(2, (), released=("a",))).wait().tokens == []
+    assert sim.launch(StepPlan(3, (chunk("short", 17, (0,)),))).wait().failed  # all failed: no forward either
     assert time.perf_counter() - started < STEP_MS / 1e3
 
 

@@ -44,7 +44,7 @@ def answer(core: SchedulerCore, sent, token: int = 7) -> None:
     """Workers that sample `token` for every sequence that needs one: each keeps its request table, as a worker does."""
     for identity, payload in sent:
         table = _tables.setdefault(core, {}).setdefault(identity, RequestTable(eos_id=0, windowed=False))
-        steps, refused = table.apply(plan_of(payload))
+        steps, refused = table.build(table.stage(plan_of(payload)))
         handles, tokens, failed = table.record(StepOutcome([SampledToken(c.seq_id, token) for c in steps.chunks if c.sampling], {}))
         core.on_result(identity, worker_pb2.StepResult(step_id=steps.step_id, handles=handles, token_ids=tokens))
 
