@@ -247,21 +247,16 @@ class SchedulerCore:
         recall = recall_from_proto(result.recall)
         worker.counters.record(plan, sent_at, self.clock(), result, recall)
         worker.batcher.observe(plan, recall, result.compute_s)
+        seq_ids = {c.handle: c.seq_id for c in plan.chunks}
         if result.error:
             worker.batcher.step_done(plan.step_id)
-            for chunk in plan.chunks:
-                if chunk.handle in worker.batcher.handles.running and (state := self.requests.get(chunk.seq_id)) is not None:
-                    worker.batcher.abort(chunk.seq_id, FinishReason.ERROR)
-                    self._finish(state, FinishReason.ERROR, f"worker {worker.worker_id} failed the step: {result.error}")
+            for handle, seq_id in seq_ids.items():
+                self._fail(worker, handle, seq_id, f"worker {worker.worker_id} failed the step: {result.error}")
             return
-        sampled = tokens_from_result(plan, result)
+        sampled = tokens_from_result(seq_ids, result)
         finished = {seq.seq_id for seq in worker.batcher.commit(plan, sampled)}
-        seq_ids = {c.handle: c.seq_id for c in plan.chunks}
         for failure in result.failed:
-            seq_id = seq_ids.get(failure.handle)
-            if failure.handle in worker.batcher.handles.running and (state := self.requests.get(seq_id)) is not None:
-                worker.batcher.abort(seq_id, FinishReason.ERROR)
-                self._finish(state, FinishReason.ERROR, f"worker {worker.worker_id}: {failure.error}")
+            self._fail(worker, failure.handle, seq_ids.get(failure.handle), f"worker {worker.worker_id}: {failure.error}")
         now = self.clock()
         for token in sampled:
             state = self.requests.get(token.seq_id)
@@ -271,6 +266,13 @@ class SchedulerCore:
             state.sink(generate_pb2.ScheduleResponse(token_ids=[token.token_id]))
             if token.seq_id in finished:
                 self._finish(state, state.seq.finish_reason, "")
+
+    def _fail(self, worker: WorkerHandle, handle: int, seq_id: str | None, error: str) -> None:
+        """A request its worker failed in a step, unless its admission has ended since (a late failure
+        is not another admission's: handles are not reused while a result may name them)."""
+        if handle in worker.batcher.handles.running and (state := self.requests.get(seq_id)) is not None:
+            worker.batcher.abort(seq_id, FinishReason.ERROR)
+            self._finish(state, FinishReason.ERROR, error)
 
     def _finish(self, state: RequestState, reason: FinishReason, error: str) -> None:
         del self.requests[state.seq.seq_id]

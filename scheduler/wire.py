@@ -60,9 +60,8 @@ def sampling_from_proto(s: worker_pb2.SamplingSpec) -> SamplingSpec:
     return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step)
 
 
-def tokens_from_result(plan: StepPlan, result: worker_pb2.StepResult) -> list[SampledToken]:
-    """The result's tokens, named by the requests the plan's chunks were for."""
-    seq_ids = {c.handle: c.seq_id for c in plan.chunks}
+def tokens_from_result(seq_ids: dict[int, str], result: worker_pb2.StepResult) -> list[SampledToken]:
+    """The result's tokens, named by the requests of the step's handles (`seq_ids`)."""
     return [SampledToken(seq_ids[h], t) for h, t in zip(result.handles, result.token_ids) if h in seq_ids]
 
 
