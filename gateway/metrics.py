@@ -115,6 +115,12 @@ class GatewayMetrics:
         self.engine_recalls = Counter(p + "kv_store_engine_recalls_total", "Layer recalls the kv_store's I/O engine completed.")
         self.engine_busy = Counter(p + "kv_store_engine_busy_seconds_total", "Time the kv_store's I/O engine spent copying recalls.")
         self.host_prefix_blocks = Gauge(p + "prefix_cache_host_blocks", "Host KV blocks the prefix cache names now.")
+        self.host_prefix_demoted = Counter(
+            p + "prefix_cache_host_demoted_blocks_total", "Evicted device KV blocks the host tier wrote and named (it had the rest)."
+        )
+        self.host_prefix_demoted_bytes = Counter(p + "prefix_cache_host_demoted_bytes_total", "Bytes of those blocks.")
+        self.promoted_bytes = Counter(p + "prefix_cache_promoted_bytes_total", "Bytes of the host KV blocks promoted to the device.")
+        self.block_bytes = Gauge(p + "kv_store_block_bytes", "One KV block, every layer: what a demotion or promotion of a block moves.")
         self.host_prefix_evicted = Counter(
             p + "prefix_cache_host_evicted_blocks_total", "Host KV blocks the prefix cache dropped (for room or by a reset)."
         )
@@ -140,7 +146,15 @@ class GatewayMetrics:
             "prefix_queried_tokens": Counter(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
             "prefix_hit_tokens": Counter(p + "prefix_cache_hits_total", "Prompt tokens whose KV the prefix cache had."),
             "prefix_host_hit_tokens": Counter(
-                p + "prefix_cache_host_hits_total", "Of the prefix cache's hits, tokens offloaded requests found in the host tier."
+                p + "prefix_cache_host_hits_total",
+                "Of the prefix cache's hits, tokens found in the host tier (offloaded requests' reuse and promotions).",
+            ),
+            # the KV hierarchy: bytes = blocks x kv_store_block_bytes
+            "prefix_promoted_blocks": Counter(
+                p + "prefix_cache_promoted_blocks_total", "Host KV blocks loaded into device blocks for resident requests."
+            ),
+            "prefix_demoted_blocks": Counter(
+                p + "prefix_cache_demoted_blocks_total", "Evicted device KV blocks sent to the host tier (written unless it had them)."
             ),
             # the control plane (DESIGN.md section 10): busy / (busy + idle) is the share of the worker's time inside its forward
             "busy_s": Counter(p + "worker_busy_seconds_total", "Time the worker spent inside its forward."),
@@ -154,6 +168,10 @@ class GatewayMetrics:
             "steady_plan_bytes": Counter(p + "steady_decode_plan_bytes_total", "Bytes of the steady decode steps' plans."),
             "steady_plan_bytes_max": Gauge(p + "steady_decode_plan_bytes_max", "Bytes of the largest steady decode step's plan."),
             "inflight": Gauge(p + "plans_in_flight", "Plans sent to the worker whose result has not come back."),
+            "tier_copy_s": Counter(
+                p + "tier_copy_seconds_total", "Time the worker spent demoting and promoting prefix blocks before its forwards."
+            ),
+            "tier_copy_s_max": Gauge(p + "tier_copy_seconds_max", "The most one step spent demoting and promoting before its forward."),
         }
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache (0-1).")
         self.allocators_corrupt = Gauge(p + "kv_allocators_corrupt", "Block allocators failing their self-check (0: healthy).")
@@ -173,6 +191,7 @@ class GatewayMetrics:
             self.step_overhead,
             self.preemptions,
             self.prefix_hit_rate,
+            self.promoted_bytes,
             *self.by_field.values(),
         ]
 
@@ -189,6 +208,9 @@ class GatewayMetrics:
         self.engine_busy.set(stats.kv_store_engine_busy_s)
         self.host_prefix_blocks.set(stats.host_prefix_cached_blocks)
         self.host_prefix_evicted.set(stats.host_prefix_evicted_blocks)
+        self.host_prefix_demoted.set(stats.host_prefix_demoted_blocks)
+        self.host_prefix_demoted_bytes.set(stats.host_prefix_demoted_blocks * stats.host_block_bytes)
+        self.block_bytes.set(stats.host_block_bytes)
         self.allocators_corrupt.set(sum(1 for w in stats.workers if w.integrity_error) + bool(stats.host_integrity_error))
         self.scheduler_cpu.set(stats.cpu_s)
         self.overlap.set(float(stats.overlap))
@@ -211,6 +233,7 @@ class GatewayMetrics:
             for name, metric in self.by_field.items():
                 metric.set(getattr(w, name), worker=label)
             self.prefix_hit_rate.set(w.prefix_hit_tokens / w.prefix_queried_tokens if w.prefix_queried_tokens else 0.0, worker=label)
+            self.promoted_bytes.set(w.prefix_promoted_blocks * stats.host_block_bytes, worker=label)
 
     def render(self) -> str:
         return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))] + list(self.by_field.values()))

@@ -46,7 +46,7 @@ def model_worker(config: WorkerServiceConfig, context: zmq.Context, log: logging
         return view
 
     engine = kv_store.open_recall_engine if config.engine_recalls else None
-    runner = ModelRunner(loaded, config.worker, HostTier(attach(), kv_store, attach, engine, kv_store.lost))
+    runner = ModelRunner(loaded, config.worker, HostTier(attach(), kv_store, attach, engine, kv_store.lost, config.worker_id))
     return Worker(config, runner, ServedModel(loaded.config, loaded.source.name, loaded.tokenizer.eos_id), kv_store.lost)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pulseinfer.kv_store.prefix_cache import promotion_owner
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.scheduler.plan import BlockNames, Chunk, SamplingSpec, StepOutcome, StepPlan
 from pulseinfer.scheduler.wire import sampling_from_proto
@@ -43,6 +44,7 @@ class Staged:
     released: tuple[str, ...]  # requests whose runner state the step frees
     prefill: list[Chunk] = field(default_factory=list)
     names: tuple[BlockNames, ...] = ()
+    demote: tuple[tuple[int, bytes], ...] = ()
     handles: dict[str, int] = field(default_factory=dict)  # seq_id -> handle, of the step's chunks
     failed: dict[int, str] = field(default_factory=dict)  # chunks that cannot run here, by handle, with why
 
@@ -59,6 +61,11 @@ class RequestTable:
     def clear(self) -> None:
         self.running.clear()
 
+    def host_owners(self) -> list[str]:
+        """Who may hold host blocks for the running admissions: an offloaded one itself (its cached
+        prefix and its blocks), a resident one's promotion (released once copied, or never run)."""
+        return [e.seq_id if e.offloaded else promotion_owner(e.seq_id) for e in self.running.values() if e.offloaded or e.host_prefix]
+
     def stage(self, plan: worker_pb2.StepPlan) -> Staged:
         """What of a plan does not wait for the step before it: releases, admissions, new blocks,
         prefill chunks, names. It may run while that step's forward does (overlapped scheduling)."""
@@ -74,6 +81,7 @@ class RequestTable:
             if chunk is not None:
                 staged.prefill.append(chunk)
         staged.names = self._names(plan.name_handles, plan.name_blocks, plan.names)
+        staged.demote = tuple(zip(plan.demote_blocks, plan.demote_names))
         return staged
 
     def build(self, staged: Staged) -> tuple[StepPlan, dict[int, str]]:
@@ -83,7 +91,8 @@ class RequestTable:
         self._step_handles = staged.handles
         chunks = [c for h in staged.decode if (c := self._decode(h, staged)) is not None]
         names = tuple(n for n in staged.names if n.handle not in staged.failed)  # a failed chunk's blocks are not written
-        return StepPlan(staged.step_id, tuple(chunks + staged.prefill), staged.released, names), staged.failed
+        plan = StepPlan(staged.step_id, tuple(chunks + staged.prefill), staged.released, names, demote=staged.demote)
+        return plan, staged.failed
 
     def record(self, outcome: StepOutcome) -> tuple[list[int], list[int], dict[int, str]]:
         """Takes the sampled tokens in; the tokens as (handles, token ids) and the failed requests by handle."""

@@ -13,6 +13,7 @@ from pulseinfer.gpu_worker.attention import attention_backend
 from pulseinfer.gpu_worker.attention.window import WindowCache
 from pulseinfer.gpu_worker.batch import build_batch
 from pulseinfer.gpu_worker.forward import forward
+from pulseinfer.gpu_worker.hierarchy import KVHierarchy
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
 from pulseinfer.gpu_worker.model.decoder import Decoder
@@ -86,13 +87,15 @@ class Launched:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: WorkerConfig, host: HostTier | None = None):
+    def __init__(self, loaded: LoadedModel, config: WorkerConfig, host: HostTier | None = None, offloading: bool = True):
+        """`host`: the kv_store's pool (None: none mapped); `offloading`: whether offloaded requests may
+        come (a cluster's worker always lets its scheduler decide)."""
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         self.model_config = loaded.config
         self.model = Decoder(loaded.config, loaded.weights, self.device, self.dtype)
-        offloading = host is not None and config.mode != "dense"
+        offloading = offloading and host is not None and config.mode != "dense"
         shared = offloading and host.recall_engine is not None  # the kv_store's I/O engine recalls into it
         self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, shared)
         self.window = (
@@ -101,6 +104,8 @@ class ModelRunner:
             else None
         )
         self.offload = self._offload_manager(host, loaded) if offloading and loaded.config.kv_layers else None
+        # with the host pool mapped, in every mode: evicted prefix blocks demoted there and promoted back
+        self.hierarchy = KVHierarchy(self.cache, host, self.offload) if host is not None and loaded.config.kv_layers else None
         self.attention = attention_backend(self.cache, self.offload, self.window, loaded.config)
 
     def _offload_manager(self, host: HostTier, loaded: LoadedModel) -> OffloadManager:
@@ -126,12 +131,33 @@ class ModelRunner:
         log.info("lowrank scorer: rank-%d key bases fitted on %d tokens in %.1f s", rank, o.calibration_tokens, seconds)
         return LowRankScorer(bases)
 
-    def release_all(self) -> None:
-        """Frees every request's device state and host blocks: the scheduler that planned them is gone."""
+    def release_all(self, host_owners: Sequence[str] = ()) -> None:
+        """Frees every request's device state and host blocks: the scheduler that planned them is gone.
+        `host_owners`: who holds host blocks for admissions sent here that may not have run (an
+        offloaded one's cached prefix, a resident one's promotion)."""
         if self.window is not None:
             self.window.release_all()
         if self.offload is not None:
             self.offload.release_all()
+        if self.hierarchy is not None:
+            self.hierarchy.release(host_owners)
+
+    def detach_host(self) -> None:
+        """The kv_store died, with its pool: what this worker mapped of it is let go of (mapped anew when next needed)."""
+        if self.offload is not None:
+            self.offload.detach()
+        if self.hierarchy is not None:
+            self.hierarchy.detach()
+
+    def idle(self) -> None:
+        """No step to run: demotions still landing are named now."""
+        if self.hierarchy is not None:
+            self.hierarchy.settle(wait=True)
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether it maps the host pool: its scheduler may demote evicted prefix blocks there and promote them back."""
+        return self.hierarchy is not None
 
     def close(self) -> None:
         if self.offload is not None:
@@ -162,9 +188,13 @@ class ModelRunner:
     def execute(self, plan: StepPlan, pick: Pick | None = None) -> StepOutcome:
         """Runs one step. `pick` chooses each sampled chunk's token from its logits (default: the
         chunk's sampling parameters; the perplexity eval forces the text's next token)."""
-        plan, failed = self._admit(plan)
+        started = time.perf_counter()
+        not_loaded = self.hierarchy.step(plan.demote, plan.chunks) if self.hierarchy is not None else {}
+        tier_copy_s = time.perf_counter() - started
+        plan, failed = self._admit(_without(plan, not_loaded))
+        failed |= not_loaded
         try:
-            return self._run(plan, failed, pick)
+            return replace(self._run(plan, failed, pick), tier_copy_s=tier_copy_s)
         except KVStoreUnavailable as e:
             # The kv_store died mid-step and the offloaded requests' KV with its pool. The resident
             # requests need nothing of it: they run the step again alone (their KV rewritten, the same).
@@ -172,7 +202,8 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             self.offload.detach()
             failed |= {c.seq_id: str(e) for c in plan.chunks if c.offloaded}
-            return self._run(replace(plan, chunks=tuple(c for c in plan.chunks if not c.offloaded)), failed, pick)
+            outcome = self._run(replace(plan, chunks=tuple(c for c in plan.chunks if not c.offloaded)), failed, pick)
+            return replace(outcome, tier_copy_s=tier_copy_s)
 
     def _run(self, plan: StepPlan, failed: dict[str, str], pick: Pick | None) -> StepOutcome:
         if not plan.chunks:

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +60,7 @@ class StepRunner(Protocol):
     offload_blocks: int
     max_running: int
     offload: OffloadManager | None
+    host_tier: bool  # it maps the kv_store's pool (the KV hierarchy's second tier)
 
     # launch() returns while the forward runs (a device's kernels); the worker then sends the last
     # step's result meanwhile. False: launch() runs the step, so that result goes out before it.
@@ -69,7 +70,15 @@ class StepRunner(Protocol):
         """Starts the step."""
         ...
 
-    def release_all(self) -> None: ...
+    def release_all(self, host_owners: Sequence[str] = ()) -> None: ...
+
+    def detach_host(self) -> None:
+        """The kv_store died: let go of its pool."""
+        ...
+
+    def idle(self) -> None:
+        """Called when no plan came for a while."""
+        ...
 
     def close(self) -> None: ...
 
@@ -131,6 +140,7 @@ class Worker:
             model=model.name,
             offload_blocks=runner.offload_blocks,
             max_running=runner.max_running,
+            host_tier=runner.host_tier,
         )
         if model.eos_id is not None:
             self.heartbeat.eos_id = model.eos_id
@@ -178,6 +188,7 @@ class Worker:
         result.token_ids[:] = tokens
         result.forward_s = ended - started
         result.compute_s = outcome.compute_s
+        result.tier_copy_s = outcome.tier_copy_s
         result.recall.CopyFrom(recall_to_proto(outcome.recall))
         result.failed.extend(worker_pb2.SequenceError(handle=h, error=e) for h, e in (refused | failed).items())
         return result
@@ -220,6 +231,7 @@ class Worker:
                     _send(socket, unsent)  # no plan queued: the scheduler plans the next step from this result
                     unsent = None
                 if not socket.poll(POLL_MS):
+                    self.runner.idle()
                     continue
                 if (staged := self._receive(socket)) is None:
                     return
@@ -257,13 +269,14 @@ class Worker:
         scheduler_lost = scheduler_loss.happened()
         if scheduler_lost:
             log.warning("the scheduler went away: freeing the device and host state of the requests it had planned")
+            owners = self.table.host_owners()
             self.table.clear()
-            self.runner.release_all()
+            self.runner.release_all(owners)
             self._last_forward_end = None
-        offload = self.runner.offload
-        if offload is not None and self.host_lost is not None and self.host_lost():
-            log.warning("the kv_store went away: dropping %d offloaded requests and unmapping its pool", len(offload.seqs))
-            offload.detach()
+        if self.host_lost is not None and self.host_lost():
+            offloaded = len(self.runner.offload.seqs) if self.runner.offload is not None else 0
+            log.warning("the kv_store went away: dropping %d offloaded requests and unmapping its pool", offloaded)
+            self.runner.detach_host()
         return scheduler_lost
 
     def _beat(self, context: zmq.Context, stop: threading.Event) -> None:

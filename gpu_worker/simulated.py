@@ -14,6 +14,7 @@ max_tokens and every token streams as text.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from pulseinfer.common.model.tokenizer import Tokenizer
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
@@ -46,6 +47,7 @@ class SimulatedRunner:
     """What the Worker uses of a ModelRunner (gpu_worker/runner.py), with a forward of `step_ms`."""
 
     offload = None  # no host tier is mapped: offloaded requests are checked for their device footprint only
+    host_tier = False
     max_running = 0  # no sliding-window rings: as many requests as the device pool holds
     launches_async = True  # its forward runs on a timer, as a device's kernels run, while the worker's thread goes on
 
@@ -58,8 +60,14 @@ class SimulatedRunner:
         self.step_s = step_ms / 1e3
         self.words = word_tokens(tokenizer)
 
-    def release_all(self) -> None:
+    def release_all(self, host_owners: Sequence[str] = ()) -> None:
         """Nothing to free: no request state is kept here."""
+
+    def detach_host(self) -> None:
+        """No host pool is mapped."""
+
+    def idle(self) -> None:
+        """No demotions to name."""
 
     def close(self) -> None:
         """Nothing to unmap: no cache, no host pool."""

@@ -115,8 +115,16 @@ class KVStoreClient:
         """Blocks of the longest cached prefix of `names` (nothing taken)."""
         return len(self.call(pb.KVStoreRequest(acquire_prefix=pb.AcquirePrefix(names=names, match_only=True))).blocks)
 
-    def insert(self, names: list[bytes], blocks: list[int]) -> None:
-        self.call(pb.KVStoreRequest(name_blocks=pb.NameBlocks(names=names, blocks=blocks)))
+    def insert(self, names: list[bytes], blocks: list[int], owner: str = "") -> None:
+        """Names written blocks; with `owner` (a demotion's reservation), its references to them are dropped."""
+        self.call(pb.KVStoreRequest(name_blocks=pb.NameBlocks(names=names, blocks=blocks, owner=owner)))
+
+    def reserve(self, owner: str, names: list[bytes]) -> list[int]:
+        """A host block held by `owner` for each name the host tier does not have (-1: it has it, or no room)."""
+        if self.worker_id is None:
+            raise RuntimeError("register with the kv_store before reserving")
+        request = pb.ReserveDemotion(owner=owner, worker_id=self.worker_id, names=names)
+        return list(self.call(pb.KVStoreRequest(reserve_demotion=request)).reserved)
 
     def drop_prefix_cache(self) -> int:
         return self.call(pb.KVStoreRequest(drop_prefix_cache=pb.DropPrefixCache())).freed

@@ -4,10 +4,15 @@ equal positions, hence equal KV. A new request reuses every full block of its lo
 and prefills only the rest.
 
 One PrefixCache per tier: the scheduler's view of each worker's device pool (resident requests),
-and the kv_store's host pool (offloaded requests: HostBlocks, the pool's allocator with its cache).
-The cache holds one reference on each block it names (as the allocator owner CACHE_OWNER), so a
-block outlives the request that computed it; requests that reuse it add theirs. A block only the
-cache references is free to evict: least recently used first, and only when an allocation needs room.
+and the kv_store's host pool (HostBlocks, the pool's allocator with its cache). The cache holds one
+reference on each block it names (as the allocator owner CACHE_OWNER), so a block outlives the
+request that computed it; requests that reuse it add theirs. A block only the cache references is
+free to evict: least recently used first, and only when an allocation needs room.
+
+The two tiers are one hierarchy (DESIGN.md §8): a device block evicted is demoted, written to the
+host tier under its name unless that tier has it already; a resident request whose prefix goes on
+in the host tier past the device's promotes those blocks into device blocks instead of computing
+them. Offloaded requests reuse host blocks in place. The host tier's own LRU decides what it keeps.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ def chain_hashes(ids: list[int], block_size: int, start: int, count: int, parent
 class PrefixStats:
     queried_tokens: int = 0  # prompt tokens of requests placed, resident or offloaded (once each)
     hit_tokens: int = 0  # of those, tokens whose KV came from the cache
-    host_hit_tokens: int = 0  # of those, from the host tier's cache (offloaded placements)
+    host_hit_tokens: int = 0  # of those, from the host tier's cache (offloaded placements, and promotions)
     evicted_blocks: int = 0
+    promoted_blocks: int = 0  # host blocks loaded into device blocks for a resident placement
+    demoted_blocks: int = 0  # evicted device blocks sent to the host tier (the device side's count)
 
 
 class PrefixCache:
@@ -50,6 +57,9 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+    def __contains__(self, name: bytes) -> bool:
+        return name in self.blocks
 
     def match(self, names: list[bytes]) -> list[int]:
         """Device blocks of the longest cached prefix of `names`."""
@@ -88,18 +98,19 @@ class PrefixCache:
         """Blocks only the cache references: free for the asking."""
         return sum(1 for block in self.blocks.values() if self.allocator.refcount(block) == 1)
 
-    def evict(self, count: int) -> int:
-        """Frees up to `count` blocks that only the cache references, least recently used first."""
+    def evict(self, count: int) -> list[tuple[bytes, int]]:
+        """Frees up to `count` blocks that only the cache references, least recently used first;
+        returns them with their names (the device tier demotes them)."""
         victims = []
         for name, block in self.blocks.items():
             if len(victims) == count:
                 break
             if self.allocator.refcount(block) == 1:
                 victims.append(name)
-        blocks = [self.blocks.pop(name) for name in victims]
-        self.allocator.release_blocks(CACHE_OWNER, blocks)
-        self.stats.evicted_blocks += len(blocks)
-        return len(blocks)
+        evicted = [(name, self.blocks.pop(name)) for name in victims]
+        self.allocator.release_blocks(CACHE_OWNER, [block for _, block in evicted])
+        self.stats.evicted_blocks += len(evicted)
+        return evicted
 
     def clear(self) -> int:
         """Drops every name; blocks that requests still hold stay theirs. Returns the blocks freed."""
@@ -115,6 +126,20 @@ class HostPrefix(Protocol):
     def match(self, names: list[bytes]) -> int: ...
 
     def acquire(self, owner: str, names: list[bytes]) -> list[int]: ...
+
+    def release(self, owner: str) -> int: ...
+
+
+def promotion_owner(seq_id: str) -> str:
+    """Who holds the host blocks a resident placement promotes, until its worker has copied them:
+    not the request itself, whose id may hold host blocks of its own (no request id has a control
+    character)."""
+    return seq_id + "\x01promote"
+
+
+def demotion_owner(worker_id: int) -> str:
+    """Who holds the host blocks a worker's demotions write, until they are named."""
+    return f"\x01demote-w{worker_id}"
 
 
 class HostBlocks:
@@ -143,14 +168,30 @@ class HostBlocks:
         """Host blocks of the longest cached prefix of `names`, each now also referenced by `owner`."""
         return self.prefix.acquire(owner, names)
 
-    def insert(self, names: list[bytes], blocks: list[int]) -> None:
-        """Names blocks a request holds (full, written); raises ValueError for a free block."""
+    def insert(self, names: list[bytes], blocks: list[int], owner: str = "") -> None:
+        """Names blocks a request holds (full, written); raises ValueError for a free block. With
+        `owner` (a demotion's reservation), its references to the blocks are dropped after."""
         if len(names) != len(blocks):
             raise ValueError(f"{len(names)} names for {len(blocks)} blocks")
         for block in blocks:
             if not 0 <= block < self.allocator.num_blocks or self.allocator.refcount(block) == 0:
                 raise ValueError(f"block {block} is not in use and cannot be named")
+        if owner and not set(blocks) <= set(self.allocator.blocks_of(owner)):
+            raise ValueError(f"{owner!r} did not reserve blocks {sorted(set(blocks) - set(self.allocator.blocks_of(owner)))[:4]}")
         self.prefix.insert(names, blocks)
+        if owner:
+            self.allocator.release_blocks(owner, blocks)
+            self.prefix.stats.demoted_blocks += len(blocks)
+
+    def reserve(self, owner: str, names: list[bytes]) -> list[int]:
+        """A host block held by `owner` for each name not cached yet, to demote it into; -1 for a
+        name cached already (touched: it is in use again) or one there is no room for."""
+        missing = [name for name in names if name not in self.prefix]
+        self.prefix.touch([name for name in names if name in self.prefix])
+        room = self.allocator.num_free + self.prefix.evictable()
+        blocks = iter(self.allocate(owner, min(len(missing), room)) if missing and room else [])
+        wanted = set(missing[:room])
+        return [next(blocks) if name in wanted else -1 for name in names]
 
     def drop_prefix_cache(self) -> int:
         return self.prefix.clear()

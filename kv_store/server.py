@@ -86,6 +86,8 @@ class KVStore:
             return self._name_blocks(request.name_blocks)
         if kind == "drop_prefix_cache":
             return pb.KVStoreResponse(freed=self.host.drop_prefix_cache())
+        if kind == "reserve_demotion":
+            return self._reserve_demotion(request.reserve_demotion)
         return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error="empty request")
 
     def _register(self, request: pb.RegisterWorker) -> None:
@@ -123,11 +125,22 @@ class KVStore:
             worker.owners.add(request.owner)
         return pb.KVStoreResponse(blocks=blocks)
 
+    def _reserve_demotion(self, request: pb.ReserveDemotion) -> pb.KVStoreResponse:
+        if bad := _bad_names(request.names):
+            return bad
+        worker = self.workers.get(request.worker_id)
+        if worker is None:
+            return pb.KVStoreResponse(code=pb.KV_STORE_UNKNOWN_WORKER, error=f"worker {request.worker_id} is not registered")
+        if not request.owner:
+            return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error="reserve_demotion needs an owner")
+        worker.owners.add(request.owner)
+        return pb.KVStoreResponse(reserved=self.host.reserve(request.owner, list(request.names)))
+
     def _name_blocks(self, request: pb.NameBlocks) -> pb.KVStoreResponse:
         if bad := _bad_names(request.names):
             return bad
         try:
-            self.host.insert(list(request.names), list(request.blocks))
+            self.host.insert(list(request.names), list(request.blocks), request.owner)
         except ValueError as e:
             return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error=str(e))
         return pb.KVStoreResponse()
@@ -182,6 +195,8 @@ class KVStore:
             engine_busy_s=self.engine.busy_s,
             prefix_cached_blocks=len(self.host.prefix),
             prefix_evicted_blocks=self.host.prefix.stats.evicted_blocks,
+            prefix_demoted_blocks=self.host.prefix.stats.demoted_blocks,
+            block_bytes=self.pool.geometry.unit_bytes * self.pool.geometry.num_layers,
         )
 
 

@@ -72,18 +72,21 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         check_mode(config.worker.mode, config.batcher.offload)
         offloading = config.batcher.offload != "never" and config.worker.mode != "dense"
+        b = config.batcher
+        hierarchy = b.prefix_cache == b.host_prefix_cache == "on" and not self.loaded.config.sliding_layers
         self._own_pool: PoolView | None = None  # the host pool this engine made: close() lets go of it
-        self.host = (host or self._host_tier()) if offloading else None
+        self.host = (host or self._host_tier()) if offloading or hierarchy else None
         try:
-            self.runner = ModelRunner(self.loaded, config.worker, self.host)
+            self.runner = ModelRunner(self.loaded, config.worker, self.host, offloading)
         except BaseException:
             if self._own_pool is not None:
                 self._own_pool.close()
             raise
         spec = self.runner.cache_spec
         self.allocator = BlockAllocator(spec.num_blocks)
+        r = self.runner
         limits = ModelLimits(
-            self.loaded.config.max_position, self.tokenizer.eos_id, spec.block_size, self.runner.offload_blocks, self.runner.max_running
+            self.loaded.config.max_position, self.tokenizer.eos_id, spec.block_size, r.offload_blocks, r.max_running, r.host_tier
         )
         self.batcher = Batcher(config.batcher, limits, self.allocator, self.host.allocator if self.host is not None else None)
         self._streams: dict[str, TextStream] = {}

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pulseinfer.kv_store.allocator import BlockAllocator
-from pulseinfer.kv_store.prefix_cache import ROOT, HostPrefix, PrefixCache, chain_hashes
+from pulseinfer.kv_store.prefix_cache import ROOT, HostPrefix, PrefixCache, chain_hashes, promotion_owner
 from pulseinfer.scheduler.admission import LinkModel
 from pulseinfer.scheduler.handles import Handles
 from pulseinfer.scheduler.plan import PENDING_TOKEN, Admission, BlockNames, Chunk, RecallStats, SampledToken, StepPlan
@@ -47,12 +47,18 @@ class BatcherConfig:
     # blocks resident, host blocks offloaded; off on a model with sliding-window layers, whose rings
     # hold no blocks to reuse
     prefix_cache: str = "on"
+    # on (with the prefix cache, on a worker that maps the kv_store's pool): the tiers are one
+    # hierarchy: cached device blocks evicted are demoted to the host tier, and a resident request
+    # promotes the host blocks its cached prefix goes on with. off: each tier serves its own
+    # placements only (device evictions are dropped; offloaded requests still reuse host blocks)
+    host_prefix_cache: str = "on"
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_POLICIES:
             raise ValueError(f"--offload must be one of {', '.join(OFFLOAD_POLICIES)}, got {self.offload!r}")
-        if self.prefix_cache not in PREFIX_CACHE:
-            raise ValueError(f"--prefix-cache must be one of {', '.join(PREFIX_CACHE)}, got {self.prefix_cache!r}")
+        for flag, value in (("--prefix-cache", self.prefix_cache), ("--host-prefix-cache", self.host_prefix_cache)):
+            if value not in PREFIX_CACHE:
+                raise ValueError(f"{flag} must be one of {', '.join(PREFIX_CACHE)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class ModelLimits:
     block_size: int
     offload_blocks: int = 0  # device blocks an offloaded request holds; 0: the worker cannot offload
     max_running: int = 0  # requests the worker runs at once (its sliding-window rings); 0: no cap of its own
+    host_tier: bool = False  # the worker maps the host pool: it can demote device blocks and promote host ones
 
 
 class Batcher:
@@ -87,7 +94,10 @@ class Batcher:
         self._releasing: dict[str, int | None] = {}  # seq_id -> the step that releases it (None: the next)
         cached = config.prefix_cache == "on" and not limits.max_running
         self.prefix = PrefixCache(allocator) if cached else None
-        self.host = host if cached and limits.offload_blocks else None
+        # the tiers as one hierarchy (kv_store/prefix_cache.py): evicted device blocks to demote, in the next plan
+        self.hierarchy = cached and config.host_prefix_cache == "on" and limits.host_tier and host is not None
+        self.host = host if cached and (limits.offload_blocks or self.hierarchy) else None
+        self._demote: list[tuple[int, bytes]] = []
 
     # ------------------------------------------------------------ admission
 
@@ -138,15 +148,19 @@ class Batcher:
             chunks += self._prefill_chunks()
         else:
             chunks = self._prefill_chunks() or self._decode_chunks()
-        if not chunks and not self.released and not self.handles.ended:
+        if not chunks and not self.released and not self.handles.ended and not self._demote:
             return None
         step_id = next(self._step_ids)
         released, self.released = tuple(self.released), []
         for seq_id in released:
             self._releasing[seq_id] = step_id
         admitted, self._admitted = tuple(self._admitted), []
+        for admission in admitted:  # its promotion's host blocks are held until the step has copied them
+            if admission.host_prefix and not admission.offloaded:
+                self._releasing[admission.seq_id] = step_id
         names = self._host_names()
-        return StepPlan(step_id, tuple(chunks), released, names, self.handles.send_ended(step_id), admitted)
+        demote, self._demote = tuple(self._demote), []
+        return StepPlan(step_id, tuple(chunks), released, names, self.handles.send_ended(step_id), admitted, demote)
 
     def step_done(self, step_id: int) -> None:
         """A step's result came back (whatever it says): its worker ran everything planned up to it."""
@@ -174,7 +188,9 @@ class Batcher:
             if chunk is None:
                 break
             self._admitted.append(self._admission(seq, chunk))
-            self._record_prefix_hit(seq, chunk.start_pos)
+            self._record_prefix_hit(seq, chunk.start_pos, len(chunk.host_prefix) * self.limits.block_size)
+            if chunk.host_prefix and not seq.offloaded:
+                self.prefix.stats.promoted_blocks += len(chunk.host_prefix)
             self.num_offloaded += seq.offloaded
             self._held.discard(seq.seq_id)
             self.waiting.popleft()
@@ -246,14 +262,15 @@ class Batcher:
                 return None
             host_prefix = self._reuse_host_prefix(seq)
         else:
-            self._reuse_prefix(seq)
-            host_prefix = ()
+            host_prefix = self._reuse_prefix(seq)
         seq.handle, seq.known_blocks, seq.admitted_length = self.handles.new(seq), 0, seq.num_known
-        seq.num_host_named = len(host_prefix)
+        seq.num_host_named = len(host_prefix) if seq.offloaded else 0
         chunk = self._prefill_chunk(seq, budget, host_prefix)
         if chunk is None:
             self.handles.unused(seq)
             self._release_blocks(seq)
+            if host_prefix and not seq.offloaded:
+                self.host.release(promotion_owner(seq.seq_id))
             return None
         return chunk
 
@@ -338,13 +355,24 @@ class Batcher:
         sample the first output token, so it is always computed)."""
         return self._names(seq, (seq.length - 1) // self.limits.block_size)
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        """A request placed resident starts from the device blocks of its longest cached prefix."""
+    def _reuse_prefix(self, seq: Sequence) -> tuple[int, ...]:
+        """A request placed resident starts from the device blocks of its longest cached prefix, and
+        the host blocks it goes on with (returned), which its worker promotes into its next device
+        blocks: a host hit costs their bytes over the link, far less than computing them (DESIGN.md §8)."""
         if self.prefix is None:
-            return
-        count = len(self.prefix.acquire(seq.seq_id, self._reusable_names(seq)))
-        seq.num_cached = seq.num_computed = count * self.limits.block_size
-        seq.num_named = count
+            return ()
+        names = self._reusable_names(seq)
+        count = len(self.prefix.acquire(seq.seq_id, names))
+        promoted = self._promote(seq, names[count:])
+        seq.num_cached = seq.num_computed = (count + len(promoted)) * self.limits.block_size
+        seq.num_named = count  # the promoted blocks are named in the device tier once copied (at the step's result)
+        return promoted
+
+    def _promote(self, seq: Sequence, names: tuple[bytes, ...]) -> tuple[int, ...]:
+        """Host blocks of the longest prefix of `names` the host tier caches, held for the promotion."""
+        if not self.hierarchy or not names or seq.seq_id in self._releasing:  # an earlier promotion of it is in flight
+            return ()
+        return tuple(self.host.acquire(promotion_owner(seq.seq_id), list(names)))
 
     def _reuse_host_prefix(self, seq: Sequence) -> tuple[int, ...]:
         """A request placed offloaded starts from the host blocks of its longest cached prefix, held
@@ -364,15 +392,15 @@ class Batcher:
             seq.host_cached_blocks = self.host.match(self._reusable_names(seq))
         return seq.host_cached_blocks
 
-    def _record_prefix_hit(self, seq: Sequence, cached: int) -> None:
-        """The prompt tokens a request found cached (either tier) when it was first placed, as
-        reported and counted."""
+    def _record_prefix_hit(self, seq: Sequence, cached: int, from_host: int) -> None:
+        """The prompt tokens a request found cached (either tier; `from_host` of them in the host
+        tier's) when it was first placed, as reported and counted."""
         if self.prefix is None or seq.cached_tokens is not None:
             return
         seq.cached_tokens = min(cached, len(seq.prompt_ids))
         self.prefix.stats.queried_tokens += len(seq.prompt_ids)
         self.prefix.stats.hit_tokens += seq.cached_tokens
-        self.prefix.stats.host_hit_tokens += seq.cached_tokens if seq.offloaded else 0
+        self.prefix.stats.host_hit_tokens += min(from_host, seq.cached_tokens)
 
     def _name_blocks(self, seq: Sequence) -> None:
         """Gives the cache the resident sequence's full blocks computed since the last step."""
@@ -383,6 +411,14 @@ class Batcher:
             names = self._names(seq, full, seq.num_named)
             self.prefix.insert(names, self.allocator.blocks_of(seq.seq_id)[seq.num_named : full])
             seq.num_named = full
+
+    def _evict(self, count: int) -> None:
+        """Evicts cached device blocks no request holds; with the hierarchy they are demoted, by the
+        next plan's worker before its step writes (the blocks may be granted in that very plan)."""
+        evicted = self.prefix.evict(count)
+        if self.hierarchy:
+            self._demote += [(block, name) for name, block in evicted]
+            self.prefix.stats.demoted_blocks += len(evicted)
 
     def _free_blocks(self) -> int:
         """Device blocks an allocation can have: the free ones and those only the prefix cache holds."""
@@ -467,7 +503,7 @@ class Batcher:
         if need <= 0:
             return True
         if need > self.allocator.num_free and self.prefix is not None:
-            self.prefix.evict(need - self.allocator.num_free)
+            self._evict(need - self.allocator.num_free)
         if not self.allocator.can_allocate(need):
             return False
         self.allocator.allocate(seq.seq_id, need)

@@ -75,6 +75,8 @@ class WorkerCounters:
     steady_plan_bytes: int = 0
     steady_plan_bytes_max: int = 0
     last_result_at: float = 0.0
+    tier_copy_s: float = 0.0
+    tier_copy_s_max: float = 0.0
 
     def sent(self, plan: StepPlan, size: int) -> None:
         self.plan_bytes += size
@@ -92,6 +94,8 @@ class WorkerCounters:
         self.step_overhead_s += max(0.0, now - max(sent_at, self.last_result_at) - result.forward_s)
         self.last_result_at = now
         self.busy_s += result.forward_s
+        self.tier_copy_s += result.tier_copy_s
+        self.tier_copy_s_max = max(self.tier_copy_s_max, result.tier_copy_s)
         self.idle_s += result.idle_s
         if decode:
             self.decode_steps += 1
@@ -107,7 +111,7 @@ class WorkerHandle:
         self.identity = f"w{beat.worker_id}-{beat.pid}".encode()
         self.allocator = BlockAllocator(beat.device_blocks_total)
         eos = beat.eos_id if beat.HasField("eos_id") else None
-        self.limits = ModelLimits(beat.max_position, eos, beat.block_size, beat.offload_blocks, beat.max_running)
+        self.limits = ModelLimits(beat.max_position, eos, beat.block_size, beat.offload_blocks, beat.max_running, beat.host_tier)
         self.vocab_size = beat.vocab_size
         self.batcher = Batcher(batcher_config, self.limits, self.allocator, host)
         self.last_seen = now
@@ -323,6 +327,8 @@ class SchedulerCore:
             steady_plan_bytes=c.steady_plan_bytes,
             steady_plan_bytes_max=c.steady_plan_bytes_max,
             inflight=len(w.inflight),
+            tier_copy_s=c.tier_copy_s,
+            tier_copy_s_max=c.tier_copy_s_max,
             preemptions=w.batcher.num_preemptions,
             offloaded=sum(1 for s in w.batcher.running if s.offloaded),
             offloaded_admissions=w.batcher.num_offloaded,
@@ -355,6 +361,8 @@ def _prefix_stats(batcher: Batcher) -> dict[str, int]:
         "prefix_queried_tokens": cache.stats.queried_tokens,
         "prefix_hit_tokens": cache.stats.hit_tokens,
         "prefix_host_hit_tokens": cache.stats.host_hit_tokens,
+        "prefix_promoted_blocks": cache.stats.promoted_blocks,
+        "prefix_demoted_blocks": cache.stats.demoted_blocks,
     }
 
 

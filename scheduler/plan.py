@@ -80,6 +80,9 @@ class StepPlan:
     # how the scheduler sends it: the admissions that ended since the last plan, and the ones that start
     released_handles: tuple[int, ...] = ()
     admitted: tuple[Admission, ...] = ()
+    # cached device blocks evicted for this step, with their names: the worker writes them to the
+    # host tier (the KV hierarchy) before the step writes anything
+    demote: tuple[tuple[int, bytes], ...] = ()
 
     @property
     def decode_chunks(self) -> list[Chunk]:
@@ -130,3 +133,4 @@ class StepOutcome:
     failed: dict[str, str]  # seq_id -> why the worker dropped it from the step (the others ran)
     recall: RecallStats = RecallStats()  # what the step's offloaded requests recalled
     compute_s: float = 0.0  # the forward's time, less what it waited on recalls
+    tier_copy_s: float = 0.0  # before the forward: demotions and promotions of the KV hierarchy

@@ -62,6 +62,9 @@ class KVStorePrefix:
     def acquire(self, owner: str, names: list[bytes], worker_id: int) -> list[int]:
         return self._ask(lambda: self.client.acquire(owner, names, worker_id), [])
 
+    def release(self, owner: str) -> int:
+        return self._ask(lambda: self.client.release(owner), 0)
+
     def drop_prefix_cache(self) -> int:
         return self._ask(self.client.drop_prefix_cache, 0)
 
@@ -94,6 +97,9 @@ class WorkerHostPrefix:
 
     def acquire(self, owner: str, names: list[bytes]) -> list[int]:
         return self.store.acquire(owner, names, self.worker_id)
+
+    def release(self, owner: str) -> int:
+        return self.store.release(owner)
 
 
 class GatewaySession:
@@ -249,6 +255,8 @@ class KVStoreMonitor:
             kv_store_engine_busy_s=self.last.engine_busy_s,
             host_prefix_cached_blocks=self.last.prefix_cached_blocks,
             host_prefix_evicted_blocks=self.last.prefix_evicted_blocks,
+            host_prefix_demoted_blocks=self.last.prefix_demoted_blocks,
+            host_block_bytes=self.last.block_bytes,
         )
 
     async def run(self) -> None:

@@ -31,6 +31,8 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
     message.prefill_lengths[:] = prefill_lengths
     message.prefill_tokens[:] = prefill_tokens
     message.decode[:] = decode
+    message.demote_blocks[:] = [block for block, _ in plan.demote]
+    message.demote_names[:] = [name for _, name in plan.demote]
     for named in plan.names:
         message.name_handles.extend([named.handle] * len(named.names))
         message.name_blocks.extend(range(named.first, named.first + len(named.names)))

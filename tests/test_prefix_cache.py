@@ -212,6 +212,93 @@ def test_host_allocations_evict_unheld_cached_blocks_least_recently_used_first()
     host.allocator.check()
 
 
+# ---------------------------------------------------------------- the two tiers as one hierarchy
+
+
+def _demote_as_a_worker_would(host: HostBlocks, plan: StepPlan) -> list[int]:
+    """What a worker does with a plan's demotions: reserve host blocks for the names its host tier
+    lacks, (write them,) name them. Returns what was reserved per name (-1: not written)."""
+    reserved = host.reserve("\x01demote-w0", [name for _, name in plan.demote])
+    written = [(name, block) for (_, name), block in zip(plan.demote, reserved) if block >= 0]
+    host.insert([n for n, _ in written], [b for _, b in written], "\x01demote-w0")
+    return reserved
+
+
+def test_the_host_tier_reserves_only_the_names_it_lacks_and_names_them_once_written():
+    host = HostBlocks(4)
+    a, b, c = (bytes([i]) * NAME_BYTES for i in range(3))
+    (kept,) = host.allocate("r", 1)
+    host.insert([a], [kept])
+    host.release("r")
+    reserved = host.reserve("\x01demote-w0", [a, b, c])
+    assert reserved[0] == -1 and min(reserved[1:]) >= 0  # `a` is there already: it is not written again
+    assert b not in host.prefix and host.allocator.refcount(reserved[1]) == 1  # unnamed until written
+    host.insert([b, c], reserved[1:], "\x01demote-w0")
+    assert host.match([b]) == host.match([c]) == 1 and host.allocator.blocks_of("\x01demote-w0") == []
+    assert host.prefix.stats.demoted_blocks == 2
+    with pytest.raises(ValueError, match="did not reserve"):
+        host.insert([bytes([9]) * NAME_BYTES], [kept], "\x01demote-w0")
+    assert host.reserve("\x01demote-w0", [bytes([5 + i]) * NAME_BYTES for i in range(6)]).count(-1) == 2  # room for 4: LRU evicted
+    host.allocator.check()
+
+
+def _evicting_batcher(host_prefix_cache: str = "on") -> tuple[Batcher, HostBlocks, list[int]]:
+    """A request's 5 full blocks cached on an 8-block device pool, then an unrelated one that needs 7:
+    4 of them are evicted, tail first. Returns the batcher, its host tier and the first prompt."""
+    host = HostBlocks(64)
+    batcher = _batcher(blocks=8, limits={"host_tier": True}, host=host, host_prefix_cache=host_prefix_cache)
+    first = list(range(100, 100 + 5 * B + 1))
+    batcher.add(_seq("a", first))
+    _run(batcher)
+    batcher.add(_seq("b", list(range(5000, 5000 + 6 * B + 4))))
+    return batcher, host, first
+
+
+def test_evicted_device_blocks_are_demoted_by_the_next_plan_then_promoted_for_a_resident_sharer():
+    batcher, host, first = _evicting_batcher()
+    names = chain_hashes(first, B, 0, 5, ROOT)
+    plan = batcher.schedule()
+    assert [name for _, name in plan.demote] == names[4:0:-1]  # the tail first: the head serves every longer prefix
+    assert len(set(block for block, _ in plan.demote) & set(plan.chunks[0].block_table)) == 4  # granted in the same plan
+    assert min(_demote_as_a_worker_would(host, plan)) >= 0
+    batcher.commit(plan, [SampledToken("b", 7)])
+    _run(batcher)
+    assert batcher.prefix.stats.demoted_blocks == 4 and len(host.prefix) == 4
+
+    batcher.add(_seq("c", first[:-1] + [42, 43]))  # the first 5 blocks shared: 1 on the device, 4 in the host tier
+    plan = batcher.schedule()
+    (chunk,) = plan.chunks
+    promoted = host.prefix.match(names[1:])
+    assert chunk.start_pos == 5 * B and chunk.host_prefix == tuple(promoted) and plan.admitted[0].host_prefix == chunk.host_prefix
+    assert host.allocator.blocks_of("c\x01promote") == promoted  # held until its worker has copied them
+    assert len(chunk.block_table) == 6 and chunk.block_table[0] == batcher.prefix.match(names[:1])[0]
+    seq = batcher.running[0]
+    assert seq.cached_tokens == 5 * B and batcher.prefix.stats.host_hit_tokens == 4 * B and batcher.prefix.stats.promoted_blocks == 4
+    batcher.commit(plan, [SampledToken("c", 7)])
+    assert batcher.prefix.match(names) == list(chunk.block_table[:5])  # once copied, cached on the device again
+
+
+def test_a_promotion_in_flight_keeps_the_request_from_taking_host_blocks_again():
+    batcher, host, first = _evicting_batcher()
+    _demote_as_a_worker_would(host, _step(batcher))
+    _run(batcher)
+    seq = _seq("c", first[:-1] + [42, 43])
+    batcher.add(seq)
+    assert batcher.schedule().chunks[0].host_prefix  # promoted: its step has not answered
+    batcher._preempt(seq)
+    again = batcher.schedule().chunks[0]
+    assert again.host_prefix == () and again.start_pos == B  # the device block only, until that step is done
+
+
+def test_with_the_host_prefix_cache_off_evictions_are_dropped_and_nothing_is_promoted():
+    batcher, host, first = _evicting_batcher("off")
+    assert _step(batcher).demote == () and batcher.prefix.stats.evicted_blocks == 4
+    _run(batcher)
+    batcher.add(_seq("c", first[:-1] + [42, 43]))
+    chunk = batcher.schedule().chunks[0]
+    assert chunk.start_pos == B and chunk.host_prefix == () and host.allocator.num_free == 64
+
+
 @pytest.mark.parametrize("limits", [{}, {"max_running": 8}])
 def test_off_or_on_a_sliding_window_model_nothing_is_cached(limits):
     config = {"prefix_cache": "off"} if not limits else {}
@@ -223,9 +310,11 @@ def test_off_or_on_a_sliding_window_model_nothing_is_cached(limits):
     assert _used(batcher) == 0
 
 
-def test_the_switch_is_checked():
+def test_the_switches_are_checked():
     with pytest.raises(ValueError, match="--prefix-cache must be one of on, off"):
         BatcherConfig(prefix_cache="maybe")
+    with pytest.raises(ValueError, match="--host-prefix-cache must be one of on, off"):
+        BatcherConfig(host_prefix_cache="1")
 
 
 # ---------------------------------------------------------------- with the model
@@ -262,3 +351,30 @@ def test_greedy_tokens_are_the_same_with_the_cache_on_and_off(model, mode, budge
     offloaded = {"never": [False] * 3, "always": [True] * 3, "auto": [False, False, True]}[policy]
     assert runs["on"][2] == offloaded and runs["off"][2][2] == offloaded[2]  # without reuse a sharer may be offloaded too
     assert runs["off"][1] == [0, 0, 0] and runs["on"][1] == [160, 160, 0]
+
+
+@pytest.mark.parametrize(("mode", "policy"), [("dense", "never"), ("pulse", "auto"), ("headwise", "auto")])
+def test_greedy_tokens_are_the_same_with_a_prefix_demoted_and_promoted_back(model, mode, policy):
+    """A 160-token prefix cached on a 320-token device pool is evicted by an unrelated request (6 of its
+    10 blocks); with the host prefix cache on they were demoted, and a request sharing the prefix
+    promotes them back: it finds all 160 tokens cached (64 on the device, 96 in the host tier) where
+    without the host tier it finds 64, and its greedy tokens are the same."""
+    text = model.tokenizer.encode(" ".join(str(i) for i in range(1000)))
+    shared = text[:160]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    runs = {}
+    for host_cache in ("off", "on"):
+        offload = OffloadConfig(sink=32, recent=64, budget=64, calibration_tokens=256)
+        worker = WorkerConfig(mode=mode, device_kv_tokens=320, offload=offload)
+        batcher = BatcherConfig(host_prefix_cache=host_cache, offload=policy)
+        engine = Engine(EngineConfig(worker=worker, batcher=batcher), loaded=model)
+        done = [engine.generate([prompt], params)[0] for prompt in (shared + text[600:610], text[1000:1250], shared + text[700:720])]
+        stats = engine.batcher.prefix.stats
+        runs[host_cache] = [c.token_ids for c in done], [c.cached_tokens for c in done], stats.demoted_blocks, stats.promoted_blocks
+        assert not any(c.offloaded for c in done)
+        assert_device_idle(engine)
+        assert_host_idle(engine)
+        engine.close()
+    assert runs["on"][0] == runs["off"][0]
+    assert runs["off"][1:] == ([0, 0, 64], 0, 0)
+    assert runs["on"][1] == [0, 0, 160] and runs["on"][2] >= 6 and runs["on"][3] == 6

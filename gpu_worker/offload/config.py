@@ -24,7 +24,9 @@ class HostAllocator(HostPrefix, Protocol):
 
     def release(self, owner: str) -> int: ...
 
-    def insert(self, names: list[bytes], blocks: list[int]) -> None: ...
+    def insert(self, names: list[bytes], blocks: list[int], owner: str = "") -> None: ...
+
+    def reserve(self, owner: str, names: list[bytes]) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class HostTier:
     # does the recalls; None: the worker's own I/O thread copies from its mapping of the pool
     recall_engine: Callable[[PagedKVCache], RemoteRecall] | None = None
     lost: Callable[[], bool] | None = None  # whether the kv_store process went away since the last call
+    worker_id: int = 0  # charged with its demotions' reservations (freed by the kv_store if it dies)
 
 
 LAYER_AHEAD = ("auto", "on", "off")

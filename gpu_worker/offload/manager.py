@@ -123,13 +123,19 @@ class OffloadManager:
             self._drop_seqs()
             if self.host.reattach is None:
                 raise
-            self.detach()
-            self.view = self.host.reattach()
-            if self.host.recall_engine is not None:
-                self.remote = self.host.recall_engine(self.cache)
+            self.reattach()
             if chunk.start_pos != 0:
                 raise
             self._ready(chunk)
+
+    def reattach(self) -> None:
+        """Maps a restarted kv_store's new pool (registering anew); the old one's requests are dropped."""
+        if self.host.reattach is None:
+            raise HostPoolLost("the host pool is gone")
+        self.detach()
+        self.view = self.host.reattach()
+        if self.host.recall_engine is not None:
+            self.remote = self.host.recall_engine(self.cache)
 
     def _ready(self, chunk: Chunk) -> None:
         g = self.geometry

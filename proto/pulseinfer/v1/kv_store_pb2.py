@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-pulseinfer/proto/pulseinfer/v1/kv_store.proto\x12\rpulseinfer.v1\"G\n\x0eRegisterWorker\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x15\n\rpid_namespace\x18\x03 \x01(\t\"<\n\x08\x41llocate\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x11\n\tworker_id\x18\x03 \x01(\r\"\x18\n\x07Release\x12\r\n\x05owner\x18\x01 \x01(\t\"\x06\n\x04Ping\"T\n\rAcquirePrefix\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\r\n\x05names\x18\x03 \x03(\x0c\x12\x12\n\nmatch_only\x18\x04 \x01(\x08\"+\n\nNameBlocks\x12\r\n\x05names\x18\x01 \x03(\x0c\x12\x0e\n\x06\x62locks\x18\x02 \x03(\x04\"\x11\n\x0f\x44ropPrefixCache\"\xbd\x01\n\x10OpenRecallTarget\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\r\n\x05slots\x18\x04 \x01(\x04\x12\x10\n\x08kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12&\n\x04\x63uda\x18\x08 \x01(\x0b\x32\x18.pulseinfer.v1.CudaCache\x12\r\n\x05\x64type\x18\t \x01(\tJ\x04\x08\x02\x10\x03\"\xef\x01\n\tCudaCache\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x15\n\rmemory_handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x12\n\nsync_event\x18\x07 \x01(\x0c\x12\x15\n\rsync_required\x18\x08 \x01(\x08\x12\x13\n\x0bready_event\x18\t \x01(\x0c\x12\x14\n\x0clanded_event\x18\n \x01(\x0c\"\x0c\n\nStatsQuery\"\xd3\x03\n\x0eKVStoreRequest\x12\x31\n\x08register\x18\x01 \x01(\x0b\x32\x1d.pulseinfer.v1.RegisterWorkerH\x00\x12+\n\x08\x61llocate\x18\x02 \x01(\x0b\x32\x17.pulseinfer.v1.AllocateH\x00\x12)\n\x07release\x18\x03 \x01(\x0b\x32\x16.pulseinfer.v1.ReleaseH\x00\x12#\n\x04ping\x18\x04 \x01(\x0b\x32\x13.pulseinfer.v1.PingH\x00\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x19.pulseinfer.v1.StatsQueryH\x00\x12\x36\n\x0bopen_recall\x18\x06 \x01(\x0b\x32\x1f.pulseinfer.v1.OpenRecallTargetH\x00\x12\x36\n\x0e\x61\x63quire_prefix\x18\x07 \x01(\x0b\x32\x1c.pulseinfer.v1.AcquirePrefixH\x00\x12\x30\n\x0bname_blocks\x18\x08 \x01(\x0b\x32\x19.pulseinfer.v1.NameBlocksH\x00\x12;\n\x11\x64rop_prefix_cache\x18\t \x01(\x0b\x32\x1e.pulseinfer.v1.DropPrefixCacheH\x00\x42\x06\n\x04kind\"i\n\nPoolLayout\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x12\n\nunit_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xdf\x01\n\x0cKVStoreStats\x12\x14\n\x0c\x62locks_total\x18\x01 \x01(\x04\x12\x13\n\x0b\x62locks_free\x18\x02 \x01(\x04\x12\x0e\n\x06owners\x18\x03 \x01(\r\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x17\n\x0fintegrity_error\x18\x05 \x01(\t\x12\x16\n\x0e\x65ngine_recalls\x18\x06 \x01(\x04\x12\x15\n\rengine_busy_s\x18\x07 \x01(\x01\x12\x1c\n\x14prefix_cached_blocks\x18\x08 \x01(\x04\x12\x1d\n\x15prefix_evicted_blocks\x18\t \x01(\x04\"\xc0\x01\n\x0fKVStoreResponse\x12(\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1a.pulseinfer.v1.KVStoreCode\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x03(\x04\x12\r\n\x05\x66reed\x18\x04 \x01(\x04\x12)\n\x06layout\x18\x05 \x01(\x0b\x32\x19.pulseinfer.v1.PoolLayout\x12*\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.pulseinfer.v1.KVStoreStats\"~\n\rRecallRequest\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\x0c\x12\x15\n\rdevice_blocks\x18\x05 \x01(\x0c\x12\r\n\x05heads\x18\x06 \x01(\x0c\"=\n\nRecallDone\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x62usy_s\x18\x03 \x01(\x01*{\n\x0bKVStoreCode\x12\x0f\n\x0bKV_STORE_OK\x10\x00\x12\x1f\n\x1bKV_STORE_RESOURCE_EXHAUSTED\x10\x01\x12\x1d\n\x19KV_STORE_INVALID_ARGUMENT\x10\x02\x12\x1b\n\x17KV_STORE_UNKNOWN_WORKER\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-pulseinfer/proto/pulseinfer/v1/kv_store.proto\x12\rpulseinfer.v1\"G\n\x0eRegisterWorker\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x15\n\rpid_namespace\x18\x03 \x01(\t\"<\n\x08\x41llocate\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x11\n\tworker_id\x18\x03 \x01(\r\"\x18\n\x07Release\x12\r\n\x05owner\x18\x01 \x01(\t\"\x06\n\x04Ping\"T\n\rAcquirePrefix\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\r\n\x05names\x18\x03 \x03(\x0c\x12\x12\n\nmatch_only\x18\x04 \x01(\x08\":\n\nNameBlocks\x12\r\n\x05names\x18\x01 \x03(\x0c\x12\x0e\n\x06\x62locks\x18\x02 \x03(\x04\x12\r\n\x05owner\x18\x03 \x01(\t\"B\n\x0fReserveDemotion\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\r\n\x05names\x18\x03 \x03(\x0c\"\x11\n\x0f\x44ropPrefixCache\"\xbd\x01\n\x10OpenRecallTarget\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\r\n\x05slots\x18\x04 \x01(\x04\x12\x10\n\x08kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12&\n\x04\x63uda\x18\x08 \x01(\x0b\x32\x18.pulseinfer.v1.CudaCache\x12\r\n\x05\x64type\x18\t \x01(\tJ\x04\x08\x02\x10\x03\"\xef\x01\n\tCudaCache\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x15\n\rmemory_handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x12\n\nsync_event\x18\x07 \x01(\x0c\x12\x15\n\rsync_required\x18\x08 \x01(\x08\x12\x13\n\x0bready_event\x18\t \x01(\x0c\x12\x14\n\x0clanded_event\x18\n \x01(\x0c\"\x0c\n\nStatsQuery\"\x8f\x04\n\x0eKVStoreRequest\x12\x31\n\x08register\x18\x01 \x01(\x0b\x32\x1d.pulseinfer.v1.RegisterWorkerH\x00\x12+\n\x08\x61llocate\x18\x02 \x01(\x0b\x32\x17.pulseinfer.v1.AllocateH\x00\x12)\n\x07release\x18\x03 \x01(\x0b\x32\x16.pulseinfer.v1.ReleaseH\x00\x12#\n\x04ping\x18\x04 \x01(\x0b\x32\x13.pulseinfer.v1.PingH\x00\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x19.pulseinfer.v1.StatsQueryH\x00\x12\x36\n\x0bopen_recall\x18\x06 \x01(\x0b\x32\x1f.pulseinfer.v1.OpenRecallTargetH\x00\x12\x36\n\x0e\x61\x63quire_prefix\x18\x07 \x01(\x0b\x32\x1c.pulseinfer.v1.AcquirePrefixH\x00\x12\x30\n\x0bname_blocks\x18\x08 \x01(\x0b\x32\x19.pulseinfer.v1.NameBlocksH\x00\x12;\n\x11\x64rop_prefix_cache\x18\t \x01(\x0b\x32\x1e.pulseinfer.v1.DropPrefixCacheH\x00\x12:\n\x10reserve_demotion\x18\n \x01(\x0b\x32\x1e.pulseinfer.v1.ReserveDemotionH\x00\x42\x06\n\x04kind\"i\n\nPoolLayout\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x12\n\nunit_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\x93\x02\n\x0cKVStoreStats\x12\x14\n\x0c\x62locks_total\x18\x01 \x01(\x04\x12\x13\n\x0b\x62locks_free\x18\x02 \x01(\x04\x12\x0e\n\x06owners\x18\x03 \x01(\r\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x17\n\x0fintegrity_error\x18\x05 \x01(\t\x12\x16\n\x0e\x65ngine_recalls\x18\x06 \x01(\x04\x12\x15\n\rengine_busy_s\x18\x07 \x01(\x01\x12\x1c\n\x14prefix_cached_blocks\x18\x08 \x01(\x04\x12\x1d\n\x15prefix_evicted_blocks\x18\t \x01(\x04\x12\x1d\n\x15prefix_demoted_blocks\x18\n \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x0b \x01(\x04\"\xd2\x01\n\x0fKVStoreResponse\x12(\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1a.pulseinfer.v1.KVStoreCode\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x03(\x04\x12\x10\n\x08reserved\x18\x07 \x03(\x03\x12\r\n\x05\x66reed\x18\x04 \x01(\x04\x12)\n\x06layout\x18\x05 \x01(\x0b\x32\x19.pulseinfer.v1.PoolLayout\x12*\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.pulseinfer.v1.KVStoreStats\"~\n\rRecallRequest\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\x0c\x12\x15\n\rdevice_blocks\x18\x05 \x01(\x0c\x12\r\n\x05heads\x18\x06 \x01(\x0c\"=\n\nRecallDone\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x62usy_s\x18\x03 \x01(\x01*{\n\x0bKVStoreCode\x12\x0f\n\x0bKV_STORE_OK\x10\x00\x12\x1f\n\x1bKV_STORE_RESOURCE_EXHAUSTED\x10\x01\x12\x1d\n\x19KV_STORE_INVALID_ARGUMENT\x10\x02\x12\x1b\n\x17KV_STORE_UNKNOWN_WORKER\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pulseinfer.proto.pulseinfer.v1.kv_store_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVSTORECODE']._serialized_start=2020
-  _globals['_KVSTORECODE']._serialized_end=2143
+  _globals['_KVSTORECODE']._serialized_start=2233
+  _globals['_KVSTORECODE']._serialized_end=2356
   _globals['_REGISTERWORKER']._serialized_start=64
   _globals['_REGISTERWORKER']._serialized_end=135
   _globals['_ALLOCATE']._serialized_start=137
@@ -44,25 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACQUIREPREFIX']._serialized_start=233
   _globals['_ACQUIREPREFIX']._serialized_end=317
   _globals['_NAMEBLOCKS']._serialized_start=319
-  _globals['_NAMEBLOCKS']._serialized_end=362
-  _globals['_DROPPREFIXCACHE']._serialized_start=364
-  _globals['_DROPPREFIXCACHE']._serialized_end=381
-  _globals['_OPENRECALLTARGET']._serialized_start=384
-  _globals['_OPENRECALLTARGET']._serialized_end=573
-  _globals['_CUDACACHE']._serialized_start=576
-  _globals['_CUDACACHE']._serialized_end=815
-  _globals['_STATSQUERY']._serialized_start=817
-  _globals['_STATSQUERY']._serialized_end=829
-  _globals['_KVSTOREREQUEST']._serialized_start=832
-  _globals['_KVSTOREREQUEST']._serialized_end=1299
-  _globals['_POOLLAYOUT']._serialized_start=1301
-  _globals['_POOLLAYOUT']._serialized_end=1406
-  _globals['_KVSTORESTATS']._serialized_start=1409
-  _globals['_KVSTORESTATS']._serialized_end=1632
-  _globals['_KVSTORERESPONSE']._serialized_start=1635
-  _globals['_KVSTORERESPONSE']._serialized_end=1827
-  _globals['_RECALLREQUEST']._serialized_start=1829
-  _globals['_RECALLREQUEST']._serialized_end=1955
-  _globals['_RECALLDONE']._serialized_start=1957
-  _globals['_RECALLDONE']._serialized_end=2018
+  _globals['_NAMEBLOCKS']._serialized_end=377
+  _globals['_RESERVEDEMOTION']._serialized_start=379
+  _globals['_RESERVEDEMOTION']._serialized_end=445
+  _globals['_DROPPREFIXCACHE']._serialized_start=447
+  _globals['_DROPPREFIXCACHE']._serialized_end=464
+  _globals['_OPENRECALLTARGET']._serialized_start=467
+  _globals['_OPENRECALLTARGET']._serialized_end=656
+  _globals['_CUDACACHE']._serialized_start=659
+  _globals['_CUDACACHE']._serialized_end=898
+  _globals['_STATSQUERY']._serialized_start=900
+  _globals['_STATSQUERY']._serialized_end=912
+  _globals['_KVSTOREREQUEST']._serialized_start=915
+  _globals['_KVSTOREREQUEST']._serialized_end=1442
+  _globals['_POOLLAYOUT']._serialized_start=1444
+  _globals['_POOLLAYOUT']._serialized_end=1549
+  _globals['_KVSTORESTATS']._serialized_start=1552
+  _globals['_KVSTORESTATS']._serialized_end=1827
+  _globals['_KVSTORERESPONSE']._serialized_start=1830
+  _globals['_KVSTORERESPONSE']._serialized_end=2040
+  _globals['_RECALLREQUEST']._serialized_start=2042
+  _globals['_RECALLREQUEST']._serialized_end=2168
+  _globals['_RECALLDONE']._serialized_start=2170
+  _globals['_RECALLDONE']._serialized_end=2231
 # @@protoc_insertion_point(module_scope)

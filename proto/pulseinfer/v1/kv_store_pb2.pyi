@@ -61,12 +61,24 @@ class AcquirePrefix(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., worker_id: _Optional[int] = ..., names: _Optional[_Iterable[bytes]] = ..., match_only: _Optional[bool] = ...) -> None: ...
 
 class NameBlocks(_message.Message):
-    __slots__ = ("names", "blocks")
+    __slots__ = ("names", "blocks", "owner")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[bytes]
     blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, names: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    owner: str
+    def __init__(self, names: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class ReserveDemotion(_message.Message):
+    __slots__ = ("owner", "worker_id", "names")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    worker_id: int
+    names: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, owner: _Optional[str] = ..., worker_id: _Optional[int] = ..., names: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DropPrefixCache(_message.Message):
     __slots__ = ()
@@ -121,7 +133,7 @@ class StatsQuery(_message.Message):
     def __init__(self) -> None: ...
 
 class KVStoreRequest(_message.Message):
-    __slots__ = ("register", "allocate", "release", "ping", "stats", "open_recall", "acquire_prefix", "name_blocks", "drop_prefix_cache")
+    __slots__ = ("register", "allocate", "release", "ping", "stats", "open_recall", "acquire_prefix", "name_blocks", "drop_prefix_cache", "reserve_demotion")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +143,7 @@ class KVStoreRequest(_message.Message):
     ACQUIRE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     NAME_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DROP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_DEMOTION_FIELD_NUMBER: _ClassVar[int]
     register: RegisterWorker
     allocate: Allocate
     release: Release
@@ -140,7 +153,8 @@ class KVStoreRequest(_message.Message):
     acquire_prefix: AcquirePrefix
     name_blocks: NameBlocks
     drop_prefix_cache: DropPrefixCache
-    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ..., open_recall: _Optional[_Union[OpenRecallTarget, _Mapping]] = ..., acquire_prefix: _Optional[_Union[AcquirePrefix, _Mapping]] = ..., name_blocks: _Optional[_Union[NameBlocks, _Mapping]] = ..., drop_prefix_cache: _Optional[_Union[DropPrefixCache, _Mapping]] = ...) -> None: ...
+    reserve_demotion: ReserveDemotion
+    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ..., open_recall: _Optional[_Union[OpenRecallTarget, _Mapping]] = ..., acquire_prefix: _Optional[_Union[AcquirePrefix, _Mapping]] = ..., name_blocks: _Optional[_Union[NameBlocks, _Mapping]] = ..., drop_prefix_cache: _Optional[_Union[DropPrefixCache, _Mapping]] = ..., reserve_demotion: _Optional[_Union[ReserveDemotion, _Mapping]] = ...) -> None: ...
 
 class PoolLayout(_message.Message):
     __slots__ = ("shm_name", "num_blocks", "unit_bytes", "num_layers", "dtype")
@@ -157,7 +171,7 @@ class PoolLayout(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., unit_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVStoreStats(_message.Message):
-    __slots__ = ("blocks_total", "blocks_free", "owners", "workers", "integrity_error", "engine_recalls", "engine_busy_s", "prefix_cached_blocks", "prefix_evicted_blocks")
+    __slots__ = ("blocks_total", "blocks_free", "owners", "workers", "integrity_error", "engine_recalls", "engine_busy_s", "prefix_cached_blocks", "prefix_evicted_blocks", "prefix_demoted_blocks", "block_bytes")
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +181,8 @@ class KVStoreStats(_message.Message):
     ENGINE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DEMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     blocks_total: int
     blocks_free: int
     owners: int
@@ -176,23 +192,27 @@ class KVStoreStats(_message.Message):
     engine_busy_s: float
     prefix_cached_blocks: int
     prefix_evicted_blocks: int
-    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ..., integrity_error: _Optional[str] = ..., engine_recalls: _Optional[int] = ..., engine_busy_s: _Optional[float] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ...) -> None: ...
+    prefix_demoted_blocks: int
+    block_bytes: int
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ..., integrity_error: _Optional[str] = ..., engine_recalls: _Optional[int] = ..., engine_busy_s: _Optional[float] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_demoted_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class KVStoreResponse(_message.Message):
-    __slots__ = ("code", "error", "blocks", "freed", "layout", "stats")
+    __slots__ = ("code", "error", "blocks", "reserved", "freed", "layout", "stats")
     CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     code: KVStoreCode
     error: str
     blocks: _containers.RepeatedScalarFieldContainer[int]
+    reserved: _containers.RepeatedScalarFieldContainer[int]
     freed: int
     layout: PoolLayout
     stats: KVStoreStats
-    def __init__(self, code: _Optional[_Union[KVStoreCode, str]] = ..., error: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., freed: _Optional[int] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., stats: _Optional[_Union[KVStoreStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, code: _Optional[_Union[KVStoreCode, str]] = ..., error: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., reserved: _Optional[_Iterable[int]] = ..., freed: _Optional[int] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., stats: _Optional[_Union[KVStoreStats, _Mapping]] = ...) -> None: ...
 
 class RecallRequest(_message.Message):
     __slots__ = ("worker_id", "sequence", "layer", "host_blocks", "device_blocks", "heads")

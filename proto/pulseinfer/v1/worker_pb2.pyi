@@ -43,7 +43,7 @@ class Admission(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., seq_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., length: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., offloaded: _Optional[bool] = ..., host_prefix: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "released", "admitted", "grant_handles", "grant_blocks", "prefill_handles", "prefill_lengths", "prefill_tokens", "decode", "name_handles", "name_blocks", "names")
+    __slots__ = ("step_id", "released", "admitted", "grant_handles", "grant_blocks", "prefill_handles", "prefill_lengths", "prefill_tokens", "decode", "name_handles", "name_blocks", "names", "demote_blocks", "demote_names")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class StepPlan(_message.Message):
     NAME_HANDLES_FIELD_NUMBER: _ClassVar[int]
     NAME_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTE_NAMES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     released: _containers.RepeatedScalarFieldContainer[int]
     admitted: _containers.RepeatedCompositeFieldContainer[Admission]
@@ -68,10 +70,12 @@ class StepPlan(_message.Message):
     name_handles: _containers.RepeatedScalarFieldContainer[int]
     name_blocks: _containers.RepeatedScalarFieldContainer[int]
     names: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, step_id: _Optional[int] = ..., released: _Optional[_Iterable[int]] = ..., admitted: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., grant_handles: _Optional[_Iterable[int]] = ..., grant_blocks: _Optional[_Iterable[int]] = ..., prefill_handles: _Optional[_Iterable[int]] = ..., prefill_lengths: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Iterable[int]] = ..., name_handles: _Optional[_Iterable[int]] = ..., name_blocks: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    demote_blocks: _containers.RepeatedScalarFieldContainer[int]
+    demote_names: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, step_id: _Optional[int] = ..., released: _Optional[_Iterable[int]] = ..., admitted: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., grant_handles: _Optional[_Iterable[int]] = ..., grant_blocks: _Optional[_Iterable[int]] = ..., prefill_handles: _Optional[_Iterable[int]] = ..., prefill_lengths: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Iterable[int]] = ..., name_handles: _Optional[_Iterable[int]] = ..., name_blocks: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[bytes]] = ..., demote_blocks: _Optional[_Iterable[int]] = ..., demote_names: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "handles", "token_ids", "forward_s", "idle_s", "error", "failed", "recall", "compute_s")
+    __slots__ = ("step_id", "handles", "token_ids", "forward_s", "idle_s", "error", "failed", "recall", "compute_s", "tier_copy_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,7 @@ class StepResult(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     RECALL_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    TIER_COPY_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -90,7 +95,8 @@ class StepResult(_message.Message):
     failed: _containers.RepeatedCompositeFieldContainer[SequenceError]
     recall: RecallStats
     compute_s: float
-    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    tier_copy_s: float
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ..., tier_copy_s: _Optional[float] = ...) -> None: ...
 
 class RecallStats(_message.Message):
     __slots__ = ("units", "transfers", "bytes", "wait_s", "prefetched_units", "corrected_units", "io_busy_s", "truncated_units", "suspended_rows", "resumed_layers")
@@ -125,7 +131,7 @@ class SequenceError(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("worker_id", "pid", "device_blocks_total", "block_size", "max_position", "eos_id", "vocab_size", "model", "offload_blocks", "max_running")
+    __slots__ = ("worker_id", "pid", "device_blocks_total", "block_size", "max_position", "eos_id", "vocab_size", "model", "offload_blocks", "max_running", "host_tier")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +142,7 @@ class Heartbeat(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     pid: int
     device_blocks_total: int
@@ -146,7 +153,8 @@ class Heartbeat(_message.Message):
     model: str
     offload_blocks: int
     max_running: int
-    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., max_position: _Optional[int] = ..., eos_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., offload_blocks: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
+    host_tier: bool
+    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., max_position: _Optional[int] = ..., eos_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., offload_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., host_tier: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("result", "heartbeat")
