@@ -1,8 +1,9 @@
 """Offloading in the real cluster (`pulseinfer serve` as OS processes): nothing leaks in either
-tier after many random requests, aborts and disconnects; kill -9 of any process (kv_store,
-scheduler, worker, gateway) while requests run tells their clients within 5 s, harms no request
-that did not need the dead process, frees every block it held and leaves no shared-memory
-segment behind; a recall deadline works through the kv_store's I/O engine."""
+tier after many random requests, aborts and disconnects; evicted device prefix blocks are demoted
+to the host tier and promoted back; kill -9 of any process (kv_store, scheduler, worker, gateway)
+while requests run, with blocks demoted and promoted before, tells their clients within 5 s, harms
+no request that did not need the dead process, frees every block it held and leaves no
+shared-memory segment behind; a recall deadline works through the kv_store's I/O engine."""
 
 from __future__ import annotations
 
@@ -129,6 +130,50 @@ def test_offloaded_requests_reuse_the_host_blocks_of_a_shared_prefix_and_a_reset
     assert complete(prompt).usage.prompt_tokens_details.cached_tokens == 0
 
 
+def _complete(client: openai.OpenAI, text: str):
+    return client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+
+
+def _demoted_then_promoted(cluster: ServingCluster, client: openai.OpenAI, start: int) -> int:
+    """A resident prompt of ~420 tokens, then four others of ~520 that fill the 2048-token device pool,
+    so that its cached blocks are evicted and demoted to the host tier; sent again, it promotes them
+    back: the same greedy text, every full block cached. Returns the blocks promoted."""
+    prompt = TEXT[start : start + 2000]
+    demoted, promoted = (
+        cluster.metric("prefix_cache_host_demoted_blocks_total"),
+        cluster.metric("prefix_cache_promoted_blocks_total", worker="0"),
+    )
+    first = _complete(client, prompt)
+    for i in range(4):
+        assert not _complete(client, TEXT[start + 2000 + i * 2400 :][:2400]).usage.prompt_tokens_details.cached_tokens
+    assert cluster.metric("prefix_cache_host_demoted_blocks_total") > demoted
+    again = _complete(client, prompt)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
+    now = cluster.metric("prefix_cache_promoted_blocks_total", worker="0")
+    assert now > promoted
+    return int(now - promoted)
+
+
+def test_resident_requests_get_back_the_prefix_blocks_the_device_evicted_and_a_reset_empties_both_tiers(cluster, client):
+    promoted = _demoted_then_promoted(cluster, client, 120000)
+    block_bytes = cluster.metric("kv_store_block_bytes")
+    assert block_bytes == 30 * UNIT_BYTES  # every layer of one block
+    assert cluster.metric("prefix_cache_promoted_bytes_total", worker="0") >= promoted * block_bytes
+    assert cluster.metric("prefix_cache_host_hits_total", worker="0") >= promoted * 16
+    assert cluster.metric("prefix_cache_demoted_blocks_total", worker="0") >= cluster.metric("prefix_cache_host_demoted_blocks_total") > 0
+    assert cluster.metric("tier_copy_seconds_total", worker="0") > 0
+    cluster.wait_for(lambda: cluster.metric("num_requests_running") == 0 and _host_idle(cluster), 30, "both tiers to be idle")
+    assert cluster.request("/reset_prefix_cache", {})[0] == 200
+
+    def empty() -> bool:
+        tiers = ("host_kv_blocks_used", "prefix_cache_host_blocks")
+        return all(cluster.metric(name) == 0 for name in tiers) and cluster.metric("worker_device_kv_blocks_used", worker="0") == 0
+
+    cluster.wait_for(empty, 10, "both tiers empty")
+    assert cluster.metric("kv_allocators_corrupt") == 0
+
+
 def _long_stream(client: openai.OpenAI, start: int, max_tokens: int):
     # ~2.4k tokens: more than the device pool holds with the output, so it is offloaded
     return client.completions.create(
@@ -160,6 +205,7 @@ def _text(events) -> tuple[str, str | None]:
 
 
 def test_kill_9_of_the_kv_store_fails_its_requests_clearly_and_it_comes_back(cluster, client):
+    _demoted_then_promoted(cluster, client, 140000)
     alone = _text(_resident_stream(client, 48))
     before = cluster.metric("offloaded_admissions_total", worker="0")
     events = iter(_long_stream(client, 1000, 400))
@@ -184,10 +230,13 @@ def test_kill_9_of_the_kv_store_fails_its_requests_clearly_and_it_comes_back(clu
     assert text
     assert cluster.metric("offloaded_admissions_total", worker="0") == before + 2
     cluster.wait_for(lambda: _host_idle(cluster), 30, "the new pool to be free")
+    _demoted_then_promoted(cluster, client, 145000)  # the worker demotes to and promotes from the new pool
 
 
 def _kill_9_beside_an_offloaded_stream(cluster: ServingCluster, client: openai.OpenAI, start: int, child: str):
-    """Starts an offloaded stream, then kills `child` with -9: the stream's events and the victim's pid."""
+    """Blocks demoted and promoted first; then starts an offloaded stream and kills `child` with -9:
+    the stream's events and the victim's pid."""
+    _demoted_then_promoted(cluster, client, 150000 + start)
     events = iter(_long_stream(client, start, 400))
     next(events)
     assert cluster.metric("host_kv_blocks_used") > 0
