@@ -16,7 +16,12 @@ and output cut to fit the context the server reports (max_model_len in /v1/model
 loses its tail, so its shared prefix stays). Block i of a prompt is a function of its hash id
 alone, round(512 * length_scale) tokens long, so requests share exactly the blocks whose ids they
 share. A slice of the trace: --trace-start-s and --trace-duration-s (seconds of trace time from
-its time 0), then the first --max-requests. The random-mode flags are refused with --trace.
+its time 0), then the first --max-requests. Or --trace-conversations N: every request of the first
+N conversations with more than one request that begin in that window (a conversation: the requests
+whose prompts begin with the same two trace blocks), wherever in the trace their later turns come,
+then the first --max-requests of them: the trace's reuse is mostly between turns minutes apart,
+which a window small enough for one machine misses (compress their arrivals with --time-scale).
+The random-mode flags are refused with --trace.
 
     pulseinfer bench serve --trace ../shared/traces/mooncake_conversation_trace.jsonl [--max-requests 20]
         [--trace-start-s 0] [--trace-duration-s 60] [--time-scale 4] [--length-scale 0.25] [--json OUT]
@@ -51,7 +56,7 @@ from pulseinfer.common.api_key import resolve_api_key
 
 TRACE_BLOCK = 512  # tokens per hash id in a Mooncake trace
 RANDOM_ONLY = ("num_prompts", "input_len", "range_ratio", "output_len", "request_rate")
-TRACE_ONLY = ("time_scale", "length_scale", "max_requests", "trace_start_s", "trace_duration_s")
+TRACE_ONLY = ("time_scale", "length_scale", "max_requests", "trace_start_s", "trace_duration_s", "trace_conversations")
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class ServeBenchConfig:
     max_requests: int | None = None  # the first N requests of the trace's window; default: all
     trace_start_s: float = 0.0  # the window of trace time replayed, from the trace's time 0
     trace_duration_s: float | None = None  # default: to the end of the trace
+    trace_conversations: int | None = None  # the requests of the first N multi-turn conversations beginning in the window
     slo_ttft_ms: float | None = None  # goodput counts requests within both SLOs; unset: no bound
     slo_tpot_ms: float | None = None
 
@@ -94,8 +100,8 @@ class ServeBenchConfig:
     def _check_trace(self) -> None:
         if self.time_scale <= 0 or self.length_scale <= 0:
             raise ValueError("--time-scale and --length-scale must be > 0")
-        if self.max_requests is not None and self.max_requests < 1:
-            raise ValueError("--max-requests must be >= 1")
+        if any(n is not None and n < 1 for n in (self.max_requests, self.trace_conversations)):
+            raise ValueError("--max-requests and --trace-conversations must be >= 1")
         if self.trace_start_s < 0 or (self.trace_duration_s is not None and self.trace_duration_s <= 0):
             raise ValueError("--trace-start-s must be >= 0 and --trace-duration-s > 0")
 
@@ -182,10 +188,25 @@ def load_trace(config: ServeBenchConfig) -> list[TraceRow]:
     rows = [_trace_row(line, f"{config.trace}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
     rows.sort(key=lambda r: r.timestamp_ms)
     end_s = math.inf if config.trace_duration_s is None else config.trace_start_s + config.trace_duration_s
-    rows = [r for r in rows if config.trace_start_s <= r.timestamp_ms / 1e3 < end_s][: config.max_requests]
-    if not rows:
+    window = [r for r in rows if config.trace_start_s <= r.timestamp_ms / 1e3 < end_s]
+    if config.trace_conversations is not None:
+        window = conversations(rows, window, config.trace_conversations)
+    if not window:
         raise ValueError(f"no request of {config.trace} arrives in the window [{config.trace_start_s}, {end_s}) s")
-    return rows
+    return window[: config.max_requests]
+
+
+def conversations(rows: list[TraceRow], window: list[TraceRow], count: int) -> list[TraceRow]:
+    """Every request (of `rows`, in arrival order) of the first `count` conversations with more than
+    one request whose first request is in `window`; a conversation: the requests whose prompts begin
+    with the same two trace blocks."""
+    turns: dict[tuple[int, ...], list[TraceRow]] = {}
+    for row in rows:
+        turns.setdefault(row.hash_ids[:2], []).append(row)
+    starts = {id(row) for row in window}
+    chosen = [root for root, its in turns.items() if len(its) > 1 and len(root) == 2 and id(its[0]) in starts]
+    chosen.sort(key=lambda root: turns[root][0].timestamp_ms)
+    return sorted((row for root in chosen[:count] for row in turns[root]), key=lambda r: r.timestamp_ms)
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ def _bench_parser(sub) -> None:
         host_pool,
         kernels_compile,
         layer_ahead,
+        prefix_tiers,
         recall_gather,
         selection_scorers,
         serving_overhead,
@@ -173,6 +174,12 @@ def _bench_parser(sub) -> None:
             layer_ahead,
             layer_ahead.LayerAheadBenchConfig,
             "the compute's wait on recalls: synchronous, suspension, layer cursors, layer-ahead, a recall deadline",
+        ),
+        (
+            "prefix-tiers",
+            prefix_tiers,
+            prefix_tiers.PrefixTiersBenchConfig,
+            "a trace replay with the host tier as the prefix cache's second level and without, per mode (starts its servers)",
         ),
         (
             "selection-scorers",

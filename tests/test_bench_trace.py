@@ -38,6 +38,23 @@ def test_the_slice_is_the_first_max_requests_of_the_time_window(tmp_path):
     assert len(plan(tmp_path, SIX, trace_start_s=1.5, max_requests=1)) == 1
 
 
+def test_a_conversation_slice_takes_every_turn_of_the_first_multi_turn_conversations_in_the_window(tmp_path):
+    rows = [
+        (0, 600, 8, [0, 1]),  # conversation (0, 1): one request only, skipped
+        (1000, 600, 8, [0, 2]),  # (0, 2), begins in the window
+        (2000, 1100, 8, [0, 3, 4]),  # (0, 3), begins in the window
+        (3000, 1100, 8, [0, 2, 5]),  # (0, 2)'s second turn
+        (9000, 1600, 8, [0, 3, 4, 6]),  # (0, 3)'s second turn, after the window
+        (9500, 1100, 8, [0, 7, 8]),  # (0, 7): begins after the window
+        (9600, 1600, 8, [0, 7, 8, 9]),
+    ]
+    got = plan(tmp_path, rows, trace_start_s=0.5, trace_duration_s=3.0, trace_conversations=5)
+    assert [r.hash_ids for r in got] == [(0, 2), (0, 3, 4), (0, 2, 5), (0, 3, 4, 6)]
+    assert [r.arrival_s for r in got] == [0.0, 1.0, 2.0, 8.0]
+    assert [r.hash_ids for r in plan(tmp_path, rows, trace_start_s=0.5, trace_duration_s=3.0, trace_conversations=1)] == [(0, 2), (0, 2, 5)]
+    assert len(plan(tmp_path, rows, trace_start_s=0.5, trace_conversations=5, max_requests=3)) == 3
+
+
 def test_arrivals_are_divided_by_the_time_scale(tmp_path):
     assert [r.arrival_s for r in plan(tmp_path, SIX, time_scale=4.0)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.25]
 
@@ -98,7 +115,9 @@ def test_goodput_counts_requests_within_both_slos_and_the_hit_rate_is_cached_ove
     [
         ({"trace": "t.jsonl", "time_scale": 0.0}, "--time-scale and --length-scale must be > 0"),
         ({"trace": "t.jsonl", "length_scale": -1.0}, "--time-scale and --length-scale must be > 0"),
-        ({"trace": "t.jsonl", "max_requests": 0}, "--max-requests must be >= 1"),
+        ({"trace": "t.jsonl", "max_requests": 0}, "--max-requests and --trace-conversations must be >= 1"),
+        ({"trace": "t.jsonl", "trace_conversations": 0}, "--max-requests and --trace-conversations must be >= 1"),
+        ({"trace_conversations": 3}, "--trace-conversations: not without --trace"),
         ({"trace": "t.jsonl", "trace_duration_s": 0.0}, "--trace-duration-s > 0"),
         ({"trace": "t.jsonl", "num_prompts": 5, "request_rate": 1.0}, "--num-prompts, --request-rate: not with --trace"),
         ({"time_scale": 2.0}, "--time-scale: not without --trace"),

@@ -1,0 +1,152 @@
+"""The KV hierarchy on a trace replay: the prefix cache's hits with the host tier as the device
+tier's second level (--host-prefix-cache on: evicted device blocks demoted, host blocks promoted
+for resident requests) against each tier serving only its own placements (off), for dense,
+pulse with IO-adaptive offloading, and pulse with every request offloaded, on a small device pool.
+
+    pulseinfer bench prefix-tiers [--trace ../shared/traces/mooncake_conversation_trace.jsonl] [--trace-conversations 12]
+        [--length-scale 0.0625] [--time-scale 10] [--device-kv-tokens 8192] [--settings dense,pulse-auto,pulse-always]
+        [--json docs/results/prefix_tiers.json]
+
+Each run starts its own `pulseinfer serve`, replays the slice with `pulseinfer bench serve`, waits
+for the server to go idle and reads /metrics (both tiers: used blocks against the cached ones,
+hits, demotions, promotions, the time steps spent copying between the tiers), then resets the
+prefix cache and reads the tiers again (both must be empty), and stops the server. One server at
+a time, nothing else running.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pulseinfer.bench import serve
+from pulseinfer.bench.cluster import ServingCluster
+
+SETTINGS = {
+    "dense": ("--mode", "dense", "--offload", "never"),
+    "pulse-auto": ("--mode", "pulse"),
+    "pulse-always": ("--mode", "pulse", "--offload", "always", "--budget", "256"),
+}
+HOST_TIER = ("off", "on")
+METRICS = {  # what a run reports -> (metric, per worker)
+    "hit_tokens": ("prefix_cache_hits_total", True),
+    "host_hit_tokens": ("prefix_cache_host_hits_total", True),
+    "promoted_blocks": ("prefix_cache_promoted_blocks_total", True),
+    "demoted_blocks": ("prefix_cache_demoted_blocks_total", True),
+    "host_demoted_blocks": ("prefix_cache_host_demoted_blocks_total", False),
+    "device_evicted_blocks": ("prefix_cache_device_evicted_blocks_total", True),
+    "tier_copy_s": ("tier_copy_seconds_total", True),
+    "tier_copy_s_max": ("tier_copy_seconds_max", True),
+    "steps": ("steps_total", True),
+    "device_used": ("worker_device_kv_blocks_used", True),
+    "device_cached": ("prefix_cache_device_blocks", True),
+    "host_used": ("host_kv_blocks_used", False),
+    "host_cached": ("prefix_cache_host_blocks", False),
+    "allocators_corrupt": ("kv_allocators_corrupt", False),
+}
+
+
+@dataclass(frozen=True)
+class PrefixTiersBenchConfig:
+    trace: str = "../shared/traces/mooncake_conversation_trace.jsonl"
+    trace_conversations: int = 12  # every turn of the first 12 multi-turn conversations: 36 requests, 50% of tokens repeat
+    trace_start_s: float = 0.0
+    length_scale: float = 0.0625  # a 512-token trace block becomes 32 tokens
+    time_scale: float = 10.0  # 1467 s of trace time in 147 s
+    device_kv_tokens: int = 8192
+    max_concurrency: int = 64
+    slo_ttft_ms: float = 5000.0
+    slo_tpot_ms: float = 500.0
+    settings: str = ",".join(SETTINGS)
+
+    def chosen(self) -> list[str]:
+        names = [name for name in self.settings.split(",") if name]
+        if bad := [name for name in names if name not in SETTINGS]:
+            raise ValueError(f"--settings: unknown {', '.join(bad)} (known: {', '.join(SETTINGS)})")
+        return names
+
+
+def _metrics(cluster: ServingCluster) -> dict[str, float]:
+    return {key: cluster.metric(name, **({"worker": "0"} if per_worker else {})) or 0.0 for key, (name, per_worker) in METRICS.items()}
+
+
+def _wait(cluster: ServingCluster, done, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def run_one(config: PrefixTiersBenchConfig, setting: str, host_tier: str) -> dict:
+    flags = (*SETTINGS[setting], "--device-kv-tokens", str(config.device_kv_tokens), "--host-prefix-cache", host_tier)
+    cluster = ServingCluster(*flags)
+    try:
+        bench = serve.ServeBenchConfig(
+            base_url=cluster.base_url,
+            trace=config.trace,
+            trace_conversations=config.trace_conversations,
+            trace_start_s=config.trace_start_s,
+            length_scale=config.length_scale,
+            time_scale=config.time_scale,
+            max_concurrency=config.max_concurrency,
+            slo_ttft_ms=config.slo_ttft_ms,
+            slo_tpot_ms=config.slo_tpot_ms,
+        )
+        result = serve.run(bench)
+        idle = _wait(cluster, lambda: cluster.metric("num_requests_running") == 0 == cluster.metric("num_requests_waiting"), 60)
+        at_idle = _metrics(cluster)
+        status, raw = cluster.http("/reset_prefix_cache", b"{}", {"Content-Type": "application/json"})
+        _wait(cluster, lambda: _metrics(cluster)["host_used"] == 0 == _metrics(cluster)["device_used"], 10)
+        after_reset = _metrics(cluster)
+    finally:
+        cluster.stop()
+    return {
+        "setting": setting,
+        "host_prefix_cache": host_tier,
+        "flags": list(flags),
+        "idle": idle,
+        "bench": result,
+        "metrics_idle": at_idle,
+        "reset": {"status": status, "freed_blocks": json.loads(raw).get("freed_blocks") if status == 200 else None},
+        "metrics_after_reset": after_reset,
+    }
+
+
+def table(runs: list[dict]) -> str:
+    head = (
+        "| mode | host prefix cache | completed | cached tokens (of prompt) | of the potential | from the host tier | "
+        "promoted / demoted blocks | TTFT mean / p50 / p99 (s) | TPOT mean (ms) | goodput (req/s) | SLOs met | tier copies per step: mean / max (ms) |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in runs:
+        b, m, t = r["bench"], r["metrics_idle"], r["bench"]["trace"]
+        potential = t["potential_token_hit_rate"] * b["prompt_tokens"]
+        ttft = b["ttft"]
+        lines.append(
+            f"| {r['setting']} | {r['host_prefix_cache']} | {b['completed']}/{t['requests']} | "
+            f"{b['cached_tokens']} of {b['prompt_tokens']} ({b['prefix_hit_rate']:.1%}) | {b['cached_tokens'] / max(1, potential):.0%} | "
+            f"{int(m['host_hit_tokens'])} | {int(m['promoted_blocks'])} / {int(m['demoted_blocks'])} | "
+            f"{ttft['mean_ms'] / 1e3:.1f} / {ttft['p50_ms'] / 1e3:.1f} / {ttft['p99_ms'] / 1e3:.1f} | {b['tpot']['mean_ms']:.0f} | "
+            f"{b['goodput']:.3f} | {b['slo_attainment']:.1%} | {m['tier_copy_s'] / max(1, m['steps']) * 1e3:.2f} / {m['tier_copy_s_max'] * 1e3:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(config: PrefixTiersBenchConfig, json_path: Path | None) -> int:
+    runs = []
+    for setting in config.chosen():
+        for host_tier in HOST_TIER:
+            run = run_one(config, setting, host_tier)
+            runs.append(run)
+            m = run["metrics_after_reset"]
+            print(f"{setting}, host prefix cache {host_tier}: {run['bench']['prefix_hit_rate']:.1%} cached; after the reset "
+                  f"device {int(m['device_used'])} and host {int(m['host_used'])} blocks used", flush=True)  # fmt: skip
+    print(table(runs))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"config": asdict(config), "runs": runs}, indent=1) + "\n")
+    return 1 if any(r["bench"]["failed"] for r in runs) else 0
