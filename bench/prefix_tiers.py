@@ -119,7 +119,8 @@ def run_one(config: PrefixTiersBenchConfig, setting: str, host_tier: str) -> dic
 def table(runs: list[dict]) -> str:
     head = (
         "| mode | host prefix cache | completed | cached tokens (of prompt) | of the potential | from the host tier | "
-        "promoted / demoted blocks | TTFT mean / p50 / p99 (s) | TPOT mean (ms) | goodput (req/s) | SLOs met | tier copies per step: mean / max (ms) |"
+        "promoted / demoted blocks | TTFT mean / p50 / p99 (s) | TPOT mean (ms) | goodput (req/s) | SLOs met | "
+        "tier copies per step: mean / max (ms) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
@@ -131,7 +132,8 @@ def table(runs: list[dict]) -> str:
             f"{b['cached_tokens']} of {b['prompt_tokens']} ({b['prefix_hit_rate']:.1%}) | {b['cached_tokens'] / max(1, potential):.0%} | "
             f"{int(m['host_hit_tokens'])} | {int(m['promoted_blocks'])} / {int(m['demoted_blocks'])} | "
             f"{ttft['mean_ms'] / 1e3:.1f} / {ttft['p50_ms'] / 1e3:.1f} / {ttft['p99_ms'] / 1e3:.1f} | {b['tpot']['mean_ms']:.0f} | "
-            f"{b['goodput']:.3f} | {b['slo_attainment']:.1%} | {m['tier_copy_s'] / max(1, m['steps']) * 1e3:.2f} / {m['tier_copy_s_max'] * 1e3:.1f} |"
+            f"{b['goodput']:.3f} | {b['slo_attainment']:.1%} | "
+            f"{m['tier_copy_s'] / max(1, m['steps']) * 1e3:.2f} / {m['tier_copy_s_max'] * 1e3:.1f} |"
         )
     return "\n".join(lines)
 
