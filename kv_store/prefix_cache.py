@@ -9,7 +9,7 @@ reference on each block it names (as the allocator owner CACHE_OWNER), so a bloc
 request that computed it; requests that reuse it add theirs. A block only the cache references is
 free to evict: least recently used first, and only when an allocation needs room.
 
-The two tiers are one hierarchy (DESIGN.md §8): a device block evicted is demoted, written to the
+The two tiers are one hierarchy (README "Prefix caching"): a device block evicted is demoted, written to the
 host tier under its name unless that tier has it already; a resident request whose prefix goes on
 in the host tier past the device's promotes those blocks into device blocks instead of computing
 them. Offloaded requests reuse host blocks in place. The host tier's own LRU decides what it keeps.

@@ -98,6 +98,8 @@ class Batcher:
         self.hierarchy = cached and config.host_prefix_cache == "on" and limits.host_tier and host is not None
         self.host = host if cached and (limits.offload_blocks or self.hierarchy) else None
         self._demote: list[tuple[int, bytes]] = []
+        # names evicted whose demotion has not come back (None: not planned yet) -> the step demoting them
+        self._demoting: dict[bytes, int | None] = {}
 
     # ------------------------------------------------------------ admission
 
@@ -160,6 +162,8 @@ class Batcher:
                 self._releasing[admission.seq_id] = step_id
         names = self._host_names()
         demote, self._demote = tuple(self._demote), []
+        for _, name in demote:
+            self._demoting[name] = step_id
         return StepPlan(step_id, tuple(chunks), released, names, self.handles.send_ended(step_id), admitted, demote)
 
     def step_done(self, step_id: int) -> None:
@@ -167,6 +171,8 @@ class Batcher:
         self.handles.step_done(step_id)
         for seq_id in [s for s, step in self._releasing.items() if step is not None and step <= step_id]:
             del self._releasing[seq_id]
+        for name in [n for n, step in self._demoting.items() if step is not None and step <= step_id]:
+            del self._demoting[name]
 
     def _prefill_chunks(self) -> list[Chunk]:
         """Up to the prefill budget: chunks of running requests still in prefill, then of waiting ones (FCFS)."""
@@ -182,7 +188,7 @@ class Batcher:
             budget -= len(chunk.token_ids)
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not self._place(seq):
+            if self._awaits_demotion(seq) or not self._place(seq):
                 break
             chunk = self._first_chunk(seq, budget)
             if chunk is None:
@@ -262,7 +268,7 @@ class Batcher:
                 return None
             host_prefix = self._reuse_host_prefix(seq)
         else:
-            host_prefix = self._reuse_prefix(seq)
+            host_prefix = self._reuse_prefix(seq, budget)
         seq.handle, seq.known_blocks, seq.admitted_length = self.handles.new(seq), 0, seq.num_known
         seq.num_host_named = len(host_prefix) if seq.offloaded else 0
         chunk = self._prefill_chunk(seq, budget, host_prefix)
@@ -355,15 +361,17 @@ class Batcher:
         sample the first output token, so it is always computed)."""
         return self._names(seq, (seq.length - 1) // self.limits.block_size)
 
-    def _reuse_prefix(self, seq: Sequence) -> tuple[int, ...]:
+    def _reuse_prefix(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """A request placed resident starts from the device blocks of its longest cached prefix, and
         the host blocks it goes on with (returned), which its worker promotes into its next device
-        blocks: a host hit costs their bytes over the link, far less than computing them (DESIGN.md §8)."""
+        blocks: a host hit costs their bytes over the link, far less than computing them (README
+        "Prefix caching"). The host tier is asked only once the device has room for a first chunk."""
         if self.prefix is None:
             return ()
         names = self._reusable_names(seq)
         count = len(self.prefix.acquire(seq.seq_id, names))
-        promoted = self._promote(seq, names[count:])
+        room = self._grow(seq, min(seq.length, count * self.limits.block_size + budget))
+        promoted = self._promote(seq, names[count:]) if room else ()
         seq.num_cached = seq.num_computed = (count + len(promoted)) * self.limits.block_size
         seq.num_named = count  # the promoted blocks are named in the device tier once copied (at the step's result)
         return promoted
@@ -373,6 +381,16 @@ class Batcher:
         if not self.hierarchy or not names or seq.seq_id in self._releasing:  # an earlier promotion of it is in flight
             return ()
         return tuple(self.host.acquire(promotion_owner(seq.seq_id), list(names)))
+
+    def _awaits_demotion(self, seq: Sequence) -> bool:
+        """Whether the block its cached prefix goes on with, past the device tier's, is being demoted:
+        it waits a step or two for the host tier to have it rather than compute it (FCFS: the
+        requests behind it wait too)."""
+        if not self._demoting:
+            return False
+        names = self._reusable_names(seq)
+        device = len(self.prefix.match(names))
+        return device < len(names) and names[device] in self._demoting
 
     def _reuse_host_prefix(self, seq: Sequence) -> tuple[int, ...]:
         """A request placed offloaded starts from the host blocks of its longest cached prefix, held
@@ -418,6 +436,7 @@ class Batcher:
         evicted = self.prefix.evict(count)
         if self.hierarchy:
             self._demote += [(block, name) for name, block in evicted]
+            self._demoting.update((name, None) for name, _ in evicted)
             self.prefix.stats.demoted_blocks += len(evicted)
 
     def _free_blocks(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import mmap
+import os
 import subprocess
 import sys
 import textwrap
@@ -28,7 +29,7 @@ from pulseinfer.kv_store.client import KVStoreClient, KVStoreUnavailable, Remote
 from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES, Staging, staged
 from pulseinfer.kv_store.engine import RecallEngine
 from pulseinfer.kv_store.layout import CacheShape, PoolGeometry, SegmentHeader, unit_bytes
-from pulseinfer.kv_store.prefix_cache import CACHE_OWNER, HostBlocks
+from pulseinfer.kv_store.prefix_cache import CACHE_OWNER, HostBlocks, demotion_owner
 from pulseinfer.kv_store.view import (
     CUDA_HOST,
     CUDA_REGISTER_CHUNK,
@@ -183,6 +184,36 @@ def test_the_host_prefix_cache_names_shares_and_drops_blocks_across_workers(kv_s
     finally:
         writer.close()
         reader.close()
+
+
+def test_demotions_reserve_blocks_only_for_names_the_host_tier_lacks_and_a_dead_workers_reservation_is_freed(kv_store):
+    """A worker reserves host blocks for evicted device blocks (names cached already get -1), writes
+    and names them under its demotion owner, which then holds nothing; a reservation a worker held
+    when it went away (deregistered by a restart under a new pid) is freed."""
+    worker = KVStoreClient(zmq.Context.instance(), kv_store)
+    try:
+        worker.register(worker_id=7)
+        before = worker.stats()
+        names = [bytes([40 + i]) * 16 for i in range(3)]
+        (cached,) = worker.allocate("computed", 1)
+        worker.insert(names[:1], [cached])
+        worker.release("computed")
+        reserved = worker.reserve(demotion_owner(7), names)
+        assert reserved[0] == -1 and min(reserved[1:]) >= 0
+        worker.insert(names[1:], reserved[1:], demotion_owner(7))
+        stats = worker.stats()
+        assert stats.prefix_demoted_blocks == before.prefix_demoted_blocks + 2
+        assert stats.prefix_cached_blocks == before.prefix_cached_blocks + 3
+        assert stats.block_bytes == GEOMETRY["num_hidden_layers"] * unit_bytes(KV_HEADS, BLOCK, HEAD_DIM, 4)  # what a demotion moves
+        assert worker.release(demotion_owner(7)) == 0  # naming let go of the reservation
+        assert worker.match(names) == 3
+        held = worker.reserve(demotion_owner(7), [bytes([50]) * 16])
+        assert held[0] >= 0 and worker.stats().blocks_free == stats.blocks_free - 1
+        worker.call(pb.KVStoreRequest(register=pb.RegisterWorker(worker_id=7, pid=os.getpid() + 1)))  # a restart forgets the old one
+        assert worker.stats().blocks_free == stats.blocks_free
+        assert worker.drop_prefix_cache() == 3
+    finally:
+        worker.close()
 
 
 def test_a_worker_with_another_geometry_is_refused(kv_store):

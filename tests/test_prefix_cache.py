@@ -278,6 +278,20 @@ def test_evicted_device_blocks_are_demoted_by_the_next_plan_then_promoted_for_a_
     assert batcher.prefix.match(names) == list(chunk.block_table[:5])  # once copied, cached on the device again
 
 
+def test_a_request_whose_prefix_is_being_demoted_waits_a_step_for_the_host_tier_to_have_it():
+    batcher, host, first = _evicting_batcher()
+    demoting = batcher.schedule()  # places the unrelated request, evicting 4 of the first's blocks
+    batcher.abort("b")  # its blocks are free again: the sharer below would fit at once
+    batcher.add(_seq("c", first[:-1] + [42, 43]))
+    waiting = batcher.schedule()
+    assert waiting.chunks == () and [s.seq_id for s in batcher.waiting] == ["c"]  # not computing what is being demoted
+    _demote_as_a_worker_would(host, demoting)
+    batcher.commit(demoting, [])
+    batcher.commit(waiting, [])
+    (placed,) = batcher.schedule().chunks
+    assert placed.start_pos == 5 * B and len(placed.host_prefix) == 4
+
+
 def test_a_promotion_in_flight_keeps_the_request_from_taking_host_blocks_again():
     batcher, host, first = _evicting_batcher()
     _demote_as_a_worker_would(host, _step(batcher))
