@@ -5,7 +5,12 @@ pulse with IO-adaptive offloading, and pulse with every request offloaded, on a 
 
     pulseinfer bench prefix-tiers [--trace ../shared/traces/mooncake_conversation_trace.jsonl] [--trace-conversations 12]
         [--length-scale 0.0625] [--time-scale 10] [--device-kv-tokens 8192] [--settings dense,pulse-auto,pulse-always]
-        [--json docs/results/prefix_tiers.json]
+        [--copy-blocks 1,8,32,64] [--json docs/results/prefix_tiers.json]
+
+First, in this process (the default model, dense, an in-process host pool), what moving blocks
+between the tiers costs a worker: demoting N blocks (reserve, copy every layer, name) and
+promoting them back (one gather per layer), best of 5, beside computing one 512-token prefill
+chunk; `--settings ''` runs only that.
 
 Each run starts its own `pulseinfer serve`, replays the slice with `pulseinfer bench serve`, waits
 for the server to go idle and reads /metrics (both tiers: used blocks against the cached ones,
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,12 +66,56 @@ class PrefixTiersBenchConfig:
     slo_ttft_ms: float = 5000.0
     slo_tpot_ms: float = 500.0
     settings: str = ",".join(SETTINGS)
+    copy_blocks: str = "1,8,32,64"  # demotions and promotions of this many blocks are timed first ('' for none)
 
     def chosen(self) -> list[str]:
         names = [name for name in self.settings.split(",") if name]
         if bad := [name for name in names if name not in SETTINGS]:
             raise ValueError(f"--settings: unknown {', '.join(bad)} (known: {', '.join(SETTINGS)})")
         return names
+
+
+def _best_s(run: Callable[[], None], repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def copy_costs(counts: list[int]) -> dict:
+    """A worker's demotion and promotion of `counts` blocks, against computing a 512-token chunk."""
+    from pulseinfer.engine import Engine, EngineConfig  # the model: only here
+    from pulseinfer.gpu_worker.runner import WorkerConfig
+    from pulseinfer.scheduler.batcher import BatcherConfig
+    from pulseinfer.scheduler.request import SamplingParams
+
+    config = EngineConfig(worker=WorkerConfig(mode="dense", device_kv_tokens=8192), batcher=BatcherConfig(offload="never"))
+    with Engine(config) as engine:
+        rows = [_tier_copies(engine, count) for count in counts]
+        prompts = iter(list(range(start, start + 512)) for start in range(1000, 10_000, 1000))  # distinct: nothing cached
+        prefill_s = _best_s(lambda: engine.generate([next(prompts)], SamplingParams(max_tokens=1)), repeats=3)
+    return {"rows": rows, "prefill_512_tokens_s": prefill_s}
+
+
+def _tier_copies(engine, count: int) -> dict:
+    """Device blocks 0..count-1 demoted (into an empty host tier each time), then promoted back."""
+    from pulseinfer.scheduler.plan import Chunk
+
+    hierarchy, host, block = engine.runner.hierarchy, engine.host.allocator, engine.runner.cache_spec.block_size
+    names = [i.to_bytes(16, "little") for i in range(count)]
+    demotion = tuple(zip(range(count), names))
+
+    def demote() -> None:
+        host.drop_prefix_cache()
+        hierarchy.step(demotion, ())
+
+    demote_s = _best_s(demote)
+    cached = tuple(host.prefix.blocks[name] for name in names)
+    promotion = Chunk("bench", (1,), count * block, tuple(range(count + 1)), None, host_prefix=cached)
+    promote_s = _best_s(lambda: hierarchy.step((), (promotion,)))
+    return {"blocks": count, "demote_s": demote_s, "promote_s": promote_s}
 
 
 def _metrics(cluster: ServingCluster) -> dict[str, float]:
@@ -139,6 +189,11 @@ def table(runs: list[dict]) -> str:
 
 
 def main(config: PrefixTiersBenchConfig, json_path: Path | None) -> int:
+    copies = copy_costs([int(n) for n in config.copy_blocks.split(",") if n]) if config.copy_blocks else None
+    if copies is not None:
+        for row in copies["rows"]:
+            print(f"{row['blocks']} blocks: demote {row['demote_s'] * 1e3:.1f} ms, promote {row['promote_s'] * 1e3:.1f} ms")
+        print(f"prefill of 512 tokens: {copies['prefill_512_tokens_s'] * 1e3:.0f} ms", flush=True)
     runs = []
     for setting in config.chosen():
         for host_tier in HOST_TIER:
@@ -147,8 +202,9 @@ def main(config: PrefixTiersBenchConfig, json_path: Path | None) -> int:
             m = run["metrics_after_reset"]
             print(f"{setting}, host prefix cache {host_tier}: {run['bench']['prefix_hit_rate']:.1%} cached; after the reset "
                   f"device {int(m['device_used'])} and host {int(m['host_used'])} blocks used", flush=True)  # fmt: skip
-    print(table(runs))
+    if runs:
+        print(table(runs))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"config": asdict(config), "runs": runs}, indent=1) + "\n")
+        json_path.write_text(json.dumps({"config": asdict(config), "copies": copies, "runs": runs}, indent=1) + "\n")
     return 1 if any(r["bench"]["failed"] for r in runs) else 0
