@@ -94,11 +94,12 @@ class KVHierarchy:
         if not demote:
             return
         try:
+            view = self._pool()  # first: after a kv_store restart, mapping the new pool registers this worker there
             reserved = self.host.allocator.reserve(self.owner, [name for _, name in demote])
             wanted = [(device, host, name) for (device, name), host in zip(demote, reserved) if host >= 0]
             if wanted:
                 devices, hosts, names = map(list, zip(*wanted))
-                self._copy_out(devices, hosts)
+                self._copy_out(view, devices, hosts)
                 self._landing.append(Landing(names, hosts, self._landed_marker()))
         except HOST_ERRORS as e:
             log.debug("%d evicted blocks not demoted: %s", len(demote), e)
@@ -119,7 +120,7 @@ class KVHierarchy:
             devices += chunk.block_table[first : first + len(chunk.host_prefix)]
         failed = {}
         try:
-            self._copy_in(hosts, devices)
+            self._copy_in(self._pool(), hosts, devices)
         except HOST_ERRORS as e:
             self._lost(e)
             failed = {c.seq_id: f"request {c.seq_id}: its cached prefix could not be loaded from the host tier: {e}" for c in chunks}
@@ -130,16 +131,16 @@ class KVHierarchy:
                 log.debug("request %s: promotion blocks not released: %s", chunk.seq_id, e)
         return failed
 
-    def _copy_out(self, devices: list[int], hosts: list[int]) -> None:
-        view, B = self._pool(), self.cache.spec.block_size
+    def _copy_out(self, view: PoolView, devices: list[int], hosts: list[int]) -> None:
+        B = self.cache.spec.block_size
         devs = torch.tensor(devices, dtype=torch.long, device=self.cache.k.device)
         ids = torch.tensor(hosts, dtype=torch.long)
         for layer in range(self.cache.shape.num_layers):
             k, v = (cached.view(-1, B, *cached.shape[1:])[devs] for cached in self.cache.layer(layer))
             view.write(ids, layer, k, v)
 
-    def _copy_in(self, hosts: list[int], devices: list[int]) -> None:
-        view, B = self._pool(), self.cache.spec.block_size
+    def _copy_in(self, view: PoolView, hosts: list[int], devices: list[int]) -> None:
+        B = self.cache.spec.block_size
         devs = torch.tensor(devices, dtype=torch.long, device=self.cache.k.device)
         ids = torch.tensor(hosts, dtype=torch.long)
         for layer in range(self.cache.shape.num_layers):

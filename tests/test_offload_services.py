@@ -139,14 +139,13 @@ def _demoted_then_promoted(cluster: ServingCluster, client: openai.OpenAI, start
     so that its cached blocks are evicted and demoted to the host tier; sent again, it promotes them
     back: the same greedy text, every full block cached. Returns the blocks promoted."""
     prompt = TEXT[start : start + 2000]
-    demoted, promoted = (
-        cluster.metric("prefix_cache_host_demoted_blocks_total"),
-        cluster.metric("prefix_cache_promoted_blocks_total", worker="0"),
-    )
+    demoted = cluster.metric("prefix_cache_demoted_blocks_total", worker="0")
+    promoted = cluster.metric("prefix_cache_promoted_blocks_total", worker="0")
     first = _complete(client, prompt)
     for i in range(4):
         assert not _complete(client, TEXT[start + 2000 + i * 2400 :][:2400]).usage.prompt_tokens_details.cached_tokens
-    assert cluster.metric("prefix_cache_host_demoted_blocks_total") > demoted
+    assert cluster.metric("prefix_cache_demoted_blocks_total", worker="0") > demoted
+    assert cluster.metric("prefix_cache_host_demoted_blocks_total") > 0  # written by the host tier (it had none of them)
     again = _complete(client, prompt)
     assert again.choices[0].text == first.choices[0].text
     assert again.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
@@ -311,6 +310,31 @@ def test_deadline_truncates_through_the_kv_store_engine_and_frees_both_tiers():
             return used == cached and _host_idle(cluster)
 
         cluster.wait_for(drained, 60, "both tiers to be free again")
+        assert cluster.metric("kv_allocators_corrupt") == 0
+    finally:
+        assert cluster.stop() == 0
+
+
+def test_a_dense_server_demotes_and_promotes_through_the_kv_store_and_through_a_restarted_one(client):
+    """Dense mode has the host tier as its prefix cache's second level too: the worker maps the
+    kv_store's pool itself; after a kill -9 of the kv_store it maps the new one and goes on."""
+    cluster = ServingCluster(
+        "--workers", "1", "--mode", "dense", "--offload", "never", "--device-kv-tokens", "2048", "--host-kv-tokens", "16384"
+    )
+    KV_STORE_PIDS.add(cluster.children()["kv_store"])
+    try:
+        dense = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+        promoted = _demoted_then_promoted(cluster, dense, 200000)
+        assert promoted > 0 and cluster.metric("offloaded_admissions_total", worker="0") == 0
+        victim = cluster.children()["kv_store"]
+        os.kill(victim, signal.SIGKILL)
+        restarted = cluster.wait_for(
+            lambda: cluster.children().get("kv_store") not in (None, victim) and cluster.children()["kv_store"], 60
+        )
+        KV_STORE_PIDS.add(restarted)
+        cluster.wait_for(lambda: cluster.request("/health")[1].get("status") == "ok", 60, "the kv_store to answer again")
+        _demoted_then_promoted(cluster, dense, 220000)  # through the new pool: the worker mapped it anew
+        cluster.wait_for(lambda: cluster.metric("num_requests_running") == 0 and _host_idle(cluster), 30, "the host tier to be idle")
         assert cluster.metric("kv_allocators_corrupt") == 0
     finally:
         assert cluster.stop() == 0
