@@ -91,7 +91,9 @@ def copy_costs(counts: list[int]) -> dict:
     from pulseinfer.scheduler.batcher import BatcherConfig
     from pulseinfer.scheduler.request import SamplingParams
 
-    config = EngineConfig(worker=WorkerConfig(mode="dense", device_kv_tokens=8192), batcher=BatcherConfig(offload="never"))
+    config = EngineConfig(
+        worker=WorkerConfig(mode="dense", device_kv_tokens=8192), batcher=BatcherConfig(offload="never"), dense_host_tier=True
+    )
     with Engine(config) as engine:
         rows = [_tier_copies(engine, count) for count in counts]
         prompts = iter(list(range(start, start + 512)) for start in range(1000, 10_000, 1000))  # distinct: nothing cached

@@ -32,6 +32,10 @@ class EngineConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     host_kv_tokens: int = 131072  # the in-process host pool (private memory, faulted in as used)
+    # a dense engine makes that pool only when asked, for the KV hierarchy (batcher.host_prefix_cache):
+    # a cluster's dense workers always have the kv_store's, but a dense baseline in process must not
+    # pay for (or pin) a host pool it would not otherwise touch
+    dense_host_tier: bool = False
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Engine:
         offloading = config.batcher.offload != "never" and config.worker.mode != "dense"
         b = config.batcher
         hierarchy = b.prefix_cache == b.host_prefix_cache == "on" and not self.loaded.config.sliding_layers
+        hierarchy = hierarchy and (offloading or config.dense_host_tier)
         self._own_pool: PoolView | None = None  # the host pool this engine made: close() lets go of it
         self.host = (host or self._host_tier()) if offloading or hierarchy else None
         try:

@@ -381,7 +381,7 @@ def test_greedy_tokens_are_the_same_with_a_prefix_demoted_and_promoted_back(mode
         offload = OffloadConfig(sink=32, recent=64, budget=64, calibration_tokens=256)
         worker = WorkerConfig(mode=mode, device_kv_tokens=320, offload=offload)
         batcher = BatcherConfig(host_prefix_cache=host_cache, offload=policy)
-        engine = Engine(EngineConfig(worker=worker, batcher=batcher), loaded=model)
+        engine = Engine(EngineConfig(worker=worker, batcher=batcher, dense_host_tier=True), loaded=model)
         done = [engine.generate([prompt], params)[0] for prompt in (shared + text[600:610], text[1000:1250], shared + text[700:720])]
         stats = engine.batcher.prefix.stats
         runs[host_cache] = [c.token_ids for c in done], [c.cached_tokens for c in done], stats.demoted_blocks, stats.promoted_blocks
