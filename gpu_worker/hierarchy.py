@@ -99,7 +99,7 @@ class KVHierarchy:
             wanted = [(device, host, name) for (device, name), host in zip(demote, reserved) if host >= 0]
             if wanted:
                 devices, hosts, names = map(list, zip(*wanted))
-                self._copy_out(view, devices, hosts)
+                self.cache.to_host(view, devices, hosts)
                 self._landing.append(Landing(names, hosts, self._landed_marker()))
         except HOST_ERRORS as e:
             log.debug("%d evicted blocks not demoted: %s", len(demote), e)
@@ -120,7 +120,7 @@ class KVHierarchy:
             devices += chunk.block_table[first : first + len(chunk.host_prefix)]
         failed = {}
         try:
-            self._copy_in(self._pool(), hosts, devices)
+            self.cache.from_host(self._pool(), hosts, devices)
         except HOST_ERRORS as e:
             self._lost(e)
             failed = {c.seq_id: f"request {c.seq_id}: its cached prefix could not be loaded from the host tier: {e}" for c in chunks}
@@ -130,23 +130,6 @@ class KVHierarchy:
             except HOST_ERRORS as e:
                 log.debug("request %s: promotion blocks not released: %s", chunk.seq_id, e)
         return failed
-
-    def _copy_out(self, view: PoolView, devices: list[int], hosts: list[int]) -> None:
-        B = self.cache.spec.block_size
-        devs = torch.tensor(devices, dtype=torch.long, device=self.cache.k.device)
-        ids = torch.tensor(hosts, dtype=torch.long)
-        for layer in range(self.cache.shape.num_layers):
-            k, v = (cached.view(-1, B, *cached.shape[1:])[devs] for cached in self.cache.layer(layer))
-            view.write(ids, layer, k, v)
-
-    def _copy_in(self, view: PoolView, hosts: list[int], devices: list[int]) -> None:
-        B = self.cache.spec.block_size
-        devs = torch.tensor(devices, dtype=torch.long, device=self.cache.k.device)
-        ids = torch.tensor(hosts, dtype=torch.long)
-        for layer in range(self.cache.shape.num_layers):
-            units = view.read(ids, layer, self.cache.k.device)  # [blocks, K|V, kv_heads, block_size, dim]
-            for i, cached in enumerate(self.cache.layer(layer)):
-                cached.view(-1, B, *cached.shape[1:])[devs] = units[:, i].transpose(1, 2)
 
     def _landed_marker(self) -> Callable[[], bool]:
         """Whether the copies queued so far have landed: at once on the CPU, an event on CUDA."""

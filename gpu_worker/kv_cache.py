@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from pulseinfer.kv_store.cuda_ipc import ExportedCache
 from pulseinfer.kv_store.layout import CacheShape, SegmentHeader, dtype_name
 from pulseinfer.kv_store.segments import Segment, cache_name
 from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pb
+
+if TYPE_CHECKING:
+    from pulseinfer.kv_store.view import PoolView
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,25 @@ class PagedKVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
+
+    def to_host(self, view: PoolView, devices: list[int], hosts: list[int]) -> None:
+        """Writes device blocks `devices`, every layer, to host blocks `hosts` of the pool (one scatter per layer)."""
+        B = self.spec.block_size
+        devs = torch.tensor(devices, dtype=torch.long, device=self.k.device)
+        ids = torch.tensor(hosts, dtype=torch.long)
+        for layer in range(self.shape.num_layers):
+            k, v = (cached.view(-1, B, *cached.shape[1:])[devs] for cached in self.layer(layer))
+            view.write(ids, layer, k, v)
+
+    def from_host(self, view: PoolView, hosts: list[int], devices: list[int]) -> None:
+        """Reads host blocks `hosts`, every layer, into device blocks `devices` (one gather per layer)."""
+        B = self.spec.block_size
+        devs = torch.tensor(devices, dtype=torch.long, device=self.k.device)
+        ids = torch.tensor(hosts, dtype=torch.long)
+        for layer in range(self.shape.num_layers):
+            units = view.read(ids, layer, self.k.device)  # [blocks, K|V, kv_heads, block_size, dim]
+            for i, cached in enumerate(self.layer(layer)):
+                cached.view(-1, B, *cached.shape[1:])[devs] = units[:, i].transpose(1, 2)
 
     def close(self) -> None:
         """Removes the shared segment's name (the memory goes with the last mapping)."""

@@ -34,9 +34,4 @@ def import_prefix(seq: OffloadedSeq, blocks: list[int], cache: PagedKVCache, vie
 
 def copy_sink(seq: OffloadedSeq, logical: list[int], host_blocks: list[int], cache: PagedKVCache, view: PoolView) -> None:
     """Writes the request's sink blocks `logical` to `host_blocks`, every layer."""
-    B = seq.geometry.block_size
-    devs = torch.tensor([seq.sink[j] for j in logical], dtype=torch.long, device=cache.k.device)
-    ids = torch.tensor(host_blocks, dtype=torch.long)
-    for layer in range(cache.shape.num_layers):
-        k, v = (cached.view(-1, B, *cached.shape[1:])[devs] for cached in cache.layer(layer))
-        view.write(ids, layer, k, v)
+    cache.to_host(view, [seq.sink[j] for j in logical], host_blocks)
