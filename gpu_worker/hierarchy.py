@@ -55,8 +55,8 @@ class KVHierarchy:
         """Before a step: names the demotions that have landed, demotes the step's evicted blocks,
         then promotes its resident first chunks' host prefixes; returns the requests whose promotion
         failed, with why (their chunks cannot run)."""
-        self.settle(wait=False)
         self._demote(demote)
+        self.settle(wait=False)
         return self._promote([c for c in chunks if c.host_prefix and not c.offloaded])
 
     def settle(self, wait: bool) -> None:
@@ -72,7 +72,8 @@ class KVHierarchy:
                 self._let_go()
 
     def release(self, owners: Sequence[str]) -> None:
-        """Lets go of host blocks held for admissions that will not run (their scheduler went away)."""
+        """Lets go of what `owners` hold in the host tier: a promotion's blocks once copied, those held
+        for admissions that will not run (their scheduler went away), a demotion's reservation."""
         for owner in owners:
             try:
                 self.host.allocator.release(owner)
@@ -105,7 +106,6 @@ class KVHierarchy:
             log.debug("%d evicted blocks not demoted: %s", len(demote), e)
             self._lost(e)
             self._let_go()
-        self.settle(wait=False)
 
     def _promote(self, chunks: list[Chunk]) -> dict[str, str]:
         """One gather per layer of every chunk's host prefix into its device blocks; each chunk's host
@@ -124,11 +124,7 @@ class KVHierarchy:
         except HOST_ERRORS as e:
             self._lost(e)
             failed = {c.seq_id: f"request {c.seq_id}: its cached prefix could not be loaded from the host tier: {e}" for c in chunks}
-        for chunk in chunks:
-            try:
-                self.host.allocator.release(promotion_owner(chunk.seq_id))
-            except HOST_ERRORS as e:
-                log.debug("request %s: promotion blocks not released: %s", chunk.seq_id, e)
+        self.release([promotion_owner(c.seq_id) for c in chunks])
         return failed
 
     def _landed_marker(self) -> Callable[[], bool]:
@@ -161,7 +157,4 @@ class KVHierarchy:
     def _let_go(self) -> None:
         """Drops every reservation of this worker's demotions (those still landing too)."""
         self._landing.clear()
-        try:
-            self.host.allocator.release(self.owner)
-        except HOST_ERRORS:
-            pass  # a store that restarted or died holds none of them any more
+        self.release([self.owner])
