@@ -5,12 +5,15 @@ pulse with IO-adaptive offloading, and pulse with every request offloaded, on a 
 
     pulseinfer bench prefix-tiers [--trace ../shared/traces/mooncake_conversation_trace.jsonl] [--trace-conversations 12]
         [--length-scale 0.0625] [--time-scale 10] [--device-kv-tokens 8192] [--settings dense,pulse-auto,pulse-always]
-        [--copy-blocks 1,8,32,64] [--json docs/results/prefix_tiers.json]
+        [--copy-blocks 1,8,32,64] [--window-model gemma-3-270m] [--json docs/results/prefix_tiers.json]
 
 First, in this process (the default model, dense, an in-process host pool), what moving blocks
 between the tiers costs a worker: demoting N blocks (reserve, copy every layer, name) and
 promoting them back (one gather per layer), best of 5, beside computing one 512-token prefill
-chunk; `--settings ''` runs only that.
+chunk; and on a model with sliding-window layers (`--window-model`, '' for none), what its prefix
+cache saves a request reusing a 2,048-token prefix (its time to first token with the cache off
+and on) and what rebuilding its window rings from the sliding layers' history costs.
+`--settings ''` runs only these.
 
 Each run starts its own `pulseinfer serve`, replays the slice with `pulseinfer bench serve`, waits
 for the server to go idle and reads /metrics (both tiers: used blocks against the cached ones,
@@ -67,6 +70,7 @@ class PrefixTiersBenchConfig:
     slo_tpot_ms: float = 500.0
     settings: str = ",".join(SETTINGS)
     copy_blocks: str = "1,8,32,64"  # demotions and promotions of this many blocks are timed first ('' for none)
+    window_model: str = "gemma-3-270m"  # its prefix reuse and ring rebuild are timed first ('' for none)
 
     def chosen(self) -> list[str]:
         names = [name for name in self.settings.split(",") if name]
@@ -118,6 +122,47 @@ def _tier_copies(engine, count: int) -> dict:
     promotion = Chunk("bench", (1,), count * block, tuple(range(count + 1)), None, host_prefix=cached)
     promote_s = _best_s(lambda: hierarchy.step((), (promotion,)))
     return {"blocks": count, "demote_s": demote_s, "promote_s": promote_s}
+
+
+def window_costs(model: str, prefix_len: int = 2048) -> dict:
+    """On a model with sliding-window layers: the time to first token of a request whose first
+    `prefix_len` tokens another request computed, with the prefix cache off and on, and what
+    rebuilding one request's rings from the history costs on its own."""
+    from pulseinfer.engine import Engine, EngineConfig
+    from pulseinfer.gpu_worker.model.loader import load_model
+    from pulseinfer.gpu_worker.runner import WorkerConfig
+    from pulseinfer.scheduler.batcher import BatcherConfig
+    from pulseinfer.scheduler.request import SamplingParams
+
+    loaded = load_model(model)
+    prefix = list(range(1000, 1000 + prefix_len))
+    out = {"model": model, "prefix_tokens": prefix_len}
+    for cache in ("off", "on"):
+        config = EngineConfig(
+            worker=WorkerConfig(mode="dense", device_kv_tokens=8192, max_running=4),
+            batcher=BatcherConfig(prefix_cache=cache, offload="never"),
+        )
+        with Engine(config, loaded=loaded) as engine:
+            engine.generate([[*prefix, 1, 2]], SamplingParams(max_tokens=1))
+            started = time.perf_counter()
+            (done,) = engine.generate([[*prefix, 3, 4]], SamplingParams(max_tokens=1))
+            out[f"ttft_cache_{cache}_s"], out[f"cached_tokens_{cache}"] = time.perf_counter() - started, done.cached_tokens
+            if cache == "on":
+                out |= _ring_costs(engine, prefix_len)
+    return out
+
+
+def _ring_costs(engine, prefix_len: int) -> dict:
+    """One request's rings rebuilt from the history of a `prefix_len`-token prefix; the history's bytes a token."""
+    window, runner = engine.runner.window, engine.runner
+    ring, table = window.free[-1], tuple(range(prefix_len // window.block_size))
+    history = 2 * window.history_k[:, 0].numel() * window.history_k.element_size()
+    return {
+        "ring_rebuild_s": _best_s(lambda: window._rebuild(ring, prefix_len, table)),
+        "window_tokens": window.window,
+        "history_bytes_per_token": history,
+        "paged_bytes_per_token": runner.cache.shape.kv_bytes(runner.dtype) // runner.cache_spec.num_tokens,
+    }
 
 
 def _metrics(cluster: ServingCluster) -> dict[str, float]:
@@ -196,6 +241,13 @@ def main(config: PrefixTiersBenchConfig, json_path: Path | None) -> int:
         for row in copies["rows"]:
             print(f"{row['blocks']} blocks: demote {row['demote_s'] * 1e3:.1f} ms, promote {row['promote_s'] * 1e3:.1f} ms")
         print(f"prefill of 512 tokens: {copies['prefill_512_tokens_s'] * 1e3:.0f} ms", flush=True)
+    windowed = window_costs(config.window_model) if config.window_model else None
+    if windowed is not None:
+        w = windowed
+        print(f"{w['model']}, {w['prefix_tokens']}-token cached prefix: time to first token {w['ttft_cache_off_s']:.2f} s with the "
+              f"prefix cache off, {w['ttft_cache_on_s']:.2f} s on ({w['cached_tokens_on']} tokens cached); rings rebuilt in "
+              f"{w['ring_rebuild_s'] * 1e3:.1f} ms; history {w['history_bytes_per_token']} bytes a token beside "
+              f"{w['paged_bytes_per_token']} of paged KV", flush=True)  # fmt: skip
     runs = []
     for setting in config.chosen():
         for host_tier in HOST_TIER:
@@ -208,5 +260,5 @@ def main(config: PrefixTiersBenchConfig, json_path: Path | None) -> int:
         print(table(runs))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"config": asdict(config), "copies": copies, "runs": runs}, indent=1) + "\n")
+        json_path.write_text(json.dumps({"config": asdict(config), "copies": copies, "windowed": windowed, "runs": runs}, indent=1) + "\n")
     return 1 if any(r["bench"]["failed"] for r in runs) else 0

@@ -43,11 +43,21 @@ class WorkerConfig:
     # requests running at once on a model with sliding-window layers: each holds a ring of its
     # window per sliding layer on the device (the scheduler runs no more)
     max_running: int = 64
+    # on a model with sliding-window layers: on keeps their KV of every device block beside the paged
+    # cache (sliding / full layers times its size: 5x on Gemma 3), so the prefix cache can rebuild the
+    # rings of a request starting from a cached prefix; off: such a model caches nothing
+    window_history: str = "on"
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.window_history not in ("on", "off"):
+            raise ValueError(f"--window-history must be on or off, got {self.window_history!r}")
+
+    def with_prefix_cache(self, prefix_cache: str) -> WorkerConfig:
+        """This config for a scheduler whose prefix cache is `prefix_cache`: without it, no sliding-window history is kept."""
+        return self if prefix_cache == "on" else replace(self, window_history="off")
 
     def torch_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -98,15 +108,17 @@ class ModelRunner:
         offloading = offloading and host is not None and config.mode != "dense"
         shared = offloading and host.recall_engine is not None  # the kv_store's I/O engine recalls into it
         self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, shared)
-        self.window = (
-            WindowCache(loaded.config, config.max_running, self.cache.spec.block_size, self.dtype, self.device)
-            if loaded.config.sliding_layers
-            else None
-        )
+        self.window = self._window_cache(loaded) if loaded.config.sliding_layers else None
         self.offload = self._offload_manager(host, loaded) if offloading and loaded.config.kv_layers else None
-        # with the host pool mapped, in every mode: evicted prefix blocks demoted there and promoted back
-        self.hierarchy = KVHierarchy(self.cache, host, self.offload) if host is not None and loaded.config.kv_layers else None
+        # with the host pool mapped, in every mode: evicted prefix blocks demoted there and promoted back (not
+        # on a model with sliding-window layers: the host tier holds none of their KV to rebuild rings from)
+        tiered = host is not None and loaded.config.kv_layers and self.window is None
+        self.hierarchy = KVHierarchy(self.cache, host, self.offload) if tiered else None
         self.attention = attention_backend(self.cache, self.offload, self.window, loaded.config)
+
+    def _window_cache(self, loaded: LoadedModel) -> WindowCache:
+        history = self.cache.spec.num_tokens if self.config.window_history == "on" else 0
+        return WindowCache(loaded.config, self.config.max_running, self.cache.spec.block_size, self.dtype, self.device, history)
 
     def _offload_manager(self, host: HostTier, loaded: LoadedModel) -> OffloadManager:
         geometry = self.config.offload.geometry(self.config.block_size)
@@ -163,6 +175,11 @@ class ModelRunner:
         if self.offload is not None:
             self.offload.close()
         self.cache.close()
+
+    @property
+    def window_history(self) -> bool:
+        """Whether it keeps its sliding-window layers' KV of every device block: requests may start from a cached prefix."""
+        return self.window is not None and self.window.keeps_history
 
     @property
     def cache_spec(self) -> KVCacheSpec:

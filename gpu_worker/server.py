@@ -61,6 +61,7 @@ class StepRunner(Protocol):
     max_running: int
     offload: OffloadManager | None
     host_tier: bool  # it maps the kv_store's pool (the KV hierarchy's second tier)
+    window_history: bool  # it keeps the sliding-window layers' KV of its device blocks (the prefix cache rebuilds rings from it)
 
     # launch() returns while the forward runs (a device's kernels); the worker then sends the last
     # step's result meanwhile. False: launch() runs the step, so that result goes out before it.
@@ -141,6 +142,7 @@ class Worker:
             offload_blocks=runner.offload_blocks,
             max_running=runner.max_running,
             host_tier=runner.host_tier,
+            window_history=runner.window_history,
         )
         if model.eos_id is not None:
             self.heartbeat.eos_id = model.eos_id

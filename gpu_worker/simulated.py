@@ -49,6 +49,7 @@ class SimulatedRunner:
     offload = None  # no host tier is mapped: offloaded requests are checked for their device footprint only
     host_tier = False
     max_running = 0  # no sliding-window rings: as many requests as the device pool holds
+    window_history = False
     launches_async = True  # its forward runs on a timer, as a device's kernels run, while the worker's thread goes on
 
     def __init__(self, config: WorkerConfig, tokenizer: Tokenizer, step_ms: float):

@@ -82,7 +82,7 @@ class Engine:
         self._own_pool: PoolView | None = None  # the host pool this engine made: close() lets go of it
         self.host = (host or self._host_tier()) if offloading or hierarchy else None
         try:
-            self.runner = ModelRunner(self.loaded, config.worker, self.host, offloading)
+            self.runner = ModelRunner(self.loaded, config.worker.with_prefix_cache(b.prefix_cache), self.host, offloading)
         except BaseException:
             if self._own_pool is not None:
                 self._own_pool.close()
@@ -91,7 +91,13 @@ class Engine:
         self.allocator = BlockAllocator(spec.num_blocks)
         r = self.runner
         limits = ModelLimits(
-            self.loaded.config.max_position, self.tokenizer.eos_id, spec.block_size, r.offload_blocks, r.max_running, r.host_tier
+            self.loaded.config.max_position,
+            self.tokenizer.eos_id,
+            spec.block_size,
+            r.offload_blocks,
+            r.max_running,
+            r.host_tier,
+            r.window_history,
         )
         self.batcher = Batcher(config.batcher, limits, self.allocator, self.host.allocator if self.host is not None else None)
         self._streams: dict[str, TextStream] = {}

@@ -179,7 +179,7 @@ class Cluster:
                         worker_id=i,
                         kv_store_timeout_s=config.kv_store_timeout_s,
                         simulate_step_ms=config.simulate_step_ms,
-                        worker=config.worker,
+                        worker=config.worker.with_prefix_cache(config.batcher.prefix_cache),
                     )
                 ),
             )

@@ -44,8 +44,8 @@ class BatcherConfig:
     # prefill first (SGLang's default), so every admitted request is decoding before decode resumes
     mixed_steps: bool = True
     # on: a request reuses the blocks of its longest cached prefix (kv_store/prefix_cache.py): device
-    # blocks resident, host blocks offloaded; off on a model with sliding-window layers, whose rings
-    # hold no blocks to reuse
+    # blocks resident, host blocks offloaded. A model with sliding-window layers reuses device blocks
+    # only, where its worker keeps those layers' KV of them (--window-history; the host tier has none)
     prefix_cache: str = "on"
     # on (with the prefix cache, on a worker that maps the kv_store's pool): the tiers are one
     # hierarchy: cached device blocks evicted are demoted to the host tier, and a resident request
@@ -69,6 +69,9 @@ class ModelLimits:
     offload_blocks: int = 0  # device blocks an offloaded request holds; 0: the worker cannot offload
     max_running: int = 0  # requests the worker runs at once (its sliding-window rings); 0: no cap of its own
     host_tier: bool = False  # the worker maps the host pool: it can demote device blocks and promote host ones
+    # on a model with sliding-window layers (max_running > 0): the worker keeps their KV of its device
+    # blocks, so a request can start from a cached device prefix (its rings rebuilt from it)
+    window_history: bool = False
 
 
 class Batcher:
@@ -92,11 +95,12 @@ class Batcher:
         # requests whose worker has not yet freed what it held for them (the plan releasing them has
         # not come back): the host tier's blocks of such a request's id are not taken again until it has
         self._releasing: dict[str, int | None] = {}  # seq_id -> the step that releases it (None: the next)
-        cached = config.prefix_cache == "on" and not limits.max_running
+        windowed = limits.max_running > 0  # its sliding layers' KV is on the device only
+        cached = config.prefix_cache == "on" and (not windowed or limits.window_history)
         self.prefix = PrefixCache(allocator) if cached else None
         # the tiers as one hierarchy (kv_store/prefix_cache.py): evicted device blocks to demote, in the next plan
-        self.hierarchy = cached and config.host_prefix_cache == "on" and limits.host_tier and host is not None
-        self.host = host if cached and (limits.offload_blocks or self.hierarchy) else None
+        self.hierarchy = cached and config.host_prefix_cache == "on" and limits.host_tier and host is not None and not windowed
+        self.host = host if cached and not windowed and (limits.offload_blocks or self.hierarchy) else None
         self._demote: list[tuple[int, bytes]] = []
         # names evicted whose demotion has not come back (None: not planned yet) -> the step demoting them
         self._demoting: dict[bytes, int | None] = {}

@@ -111,7 +111,9 @@ class WorkerHandle:
         self.identity = f"w{beat.worker_id}-{beat.pid}".encode()
         self.allocator = BlockAllocator(beat.device_blocks_total)
         eos = beat.eos_id if beat.HasField("eos_id") else None
-        self.limits = ModelLimits(beat.max_position, eos, beat.block_size, beat.offload_blocks, beat.max_running, beat.host_tier)
+        self.limits = ModelLimits(
+            beat.max_position, eos, beat.block_size, beat.offload_blocks, beat.max_running, beat.host_tier, beat.window_history
+        )
         self.vocab_size = beat.vocab_size
         self.batcher = Batcher(batcher_config, self.limits, self.allocator, host)
         self.last_seen = now

@@ -38,6 +38,12 @@ def model() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def gemma_model() -> LoadedModel:
+    """Gemma 3 270M (GGUF, Q4_K_M): sliding-window layers of 512 beside full ones."""
+    return load_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
 def engine(model) -> Engine:
     return Engine(EngineConfig(), loaded=model)
 

@@ -238,7 +238,8 @@ def test_weights_the_config_does_not_use_are_refused(model, tokenizer_dir, tmp_p
 def test_sliding_window_rings_cap_running_requests_and_come_back(model, tokenizer_dir, tmp_path):
     """Two rings for six requests: the scheduler runs two at a time; a pool too small for them
     preempts (the ring is freed and the request starts again); every ring is free at the end, and
-    the tokens are those of a worker with a ring for each."""
+    the tokens are those of a worker with a ring for each. The prompts come twice and windows of 16
+    are crossed: rings are rebuilt from the sliding layers' history of cached prefixes."""
     _, path = _tiny("gemma3", model.config.vocab_size, tokenizer_dir, tmp_path)
     prompts = [text[:-FORCED] for text in _texts(model.config.vocab_size)] * 2
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -257,5 +258,5 @@ def test_sliding_window_rings_cap_running_requests_and_come_back(model, tokenize
         done |= {c.seq_id: c for c in tight.step()}
         running.append(len(tight.batcher.running))
     assert max(running) == 2 and tight.batcher.num_preemptions > 0
-    assert len(tight.runner.window.free) == 2 and not tight.runner.window.rings
+    assert len(tight.runner.window.free) == 2 and not tight.runner.window.rings and tight.runner.window.rebuilt > 0
     assert [done[i].token_ids for i in ids] == expected

@@ -24,8 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def gemma() -> Engine:
-    return Engine(EngineConfig(model="gemma-3-270m", worker=WorkerConfig(mode="dense", max_running=4)))
+def gemma(gemma_model) -> Engine:
+    return Engine(EngineConfig(worker=WorkerConfig(mode="dense", max_running=4, device_kv_tokens=8192)), loaded=gemma_model)
 
 
 def _prose(tokenizer, n_tokens: int, offset: int) -> list[int]:

@@ -314,7 +314,7 @@ def test_with_the_host_prefix_cache_off_evictions_are_dropped_and_nothing_is_pro
 
 
 @pytest.mark.parametrize("limits", [{}, {"max_running": 8}])
-def test_off_or_on_a_sliding_window_model_nothing_is_cached(limits):
+def test_off_or_on_a_sliding_window_model_without_its_history_nothing_is_cached(limits):
     config = {"prefix_cache": "off"} if not limits else {}
     batcher = _batcher(limits=limits, **config)
     assert batcher.prefix is None
@@ -324,11 +324,34 @@ def test_off_or_on_a_sliding_window_model_nothing_is_cached(limits):
     assert _used(batcher) == 0
 
 
+def test_a_sliding_window_model_with_its_history_reuses_device_blocks_and_never_the_host_tier():
+    """Its worker keeps the sliding layers' KV of device blocks, not of host blocks: resident
+    requests share a prefix; nothing is demoted, promoted or reused offloaded."""
+    host = HostBlocks(64)
+    limits = {"max_running": 8, "window_history": True, "host_tier": True, "offload_blocks": 4}
+    batcher = _batcher(blocks=8, limits=limits, host=host, offload="auto")
+    assert batcher.prefix is not None and batcher.host is None and not batcher.hierarchy
+    shared = list(range(700, 700 + 4 * B))
+    batcher.add(_seq("a", [*shared, 1]))
+    _run(batcher)
+    batcher.add(_seq("b", [*shared, 2, 3]))
+    (chunk,) = _step(batcher).chunks
+    assert chunk.start_pos == 4 * B and chunk.host_prefix == () and not chunk.offloaded
+    _run(batcher)
+    batcher.add(_seq("c", list(range(2000, 2000 + 7 * B))))  # evicts the prefix: dropped, not demoted
+    plans = _run(batcher)
+    assert not any(c.offloaded for plan in plans for c in plan.chunks)
+    assert batcher.prefix.stats.demoted_blocks == 0 and not any(plan.demote for plan in plans)
+    assert host.allocator.num_free == 64
+
+
 def test_the_switches_are_checked():
     with pytest.raises(ValueError, match="--prefix-cache must be one of on, off"):
         BatcherConfig(prefix_cache="maybe")
     with pytest.raises(ValueError, match="--host-prefix-cache must be one of on, off"):
         BatcherConfig(host_prefix_cache="1")
+    with pytest.raises(ValueError, match="--window-history must be on or off"):
+        WorkerConfig(window_history="yes")
 
 
 # ---------------------------------------------------------------- with the model
@@ -392,3 +415,35 @@ def test_greedy_tokens_are_the_same_with_a_prefix_demoted_and_promoted_back(mode
     assert runs["on"][0] == runs["off"][0]
     assert runs["off"][1:] == ([0, 0, 64], 0, 0)
     assert runs["on"][1] == [0, 0, 160] and runs["on"][2] >= 6 and runs["on"][3] == 6
+
+
+@pytest.mark.parametrize(("mode", "policy", "pool"), [("dense", "never", 4096), ("pulse", "auto", 4096), ("dense", "never", 1072)])
+def test_gemma3_greedy_tokens_are_the_same_reusing_a_prefix_longer_than_its_window(gemma_model, mode, policy, pool):
+    """Gemma 3 270M (windows of 512): a 700-token prefix warms the cache; then two requests reuse
+    688 and 592 of its tokens (their rings rebuilt from the sliding layers' history of the prefix's
+    last 512 positions) beside one sharing nothing. On the 1,072-token pool the three cannot all
+    grow together: one is preempted and starts again from its own cached blocks (its rings rebuilt)."""
+    import pydoc_data.topics
+
+    tokenizer = gemma_model.tokenizer
+    text = tokenizer.encode(" ".join(pydoc_data.topics.topics.values()), add_special=False)
+    shared = [tokenizer.special.bos_id, *text[5000:5699]]
+    prompts = [shared + text[9100:9130], shared[:600] + text[9200:9205], text[12000:12300]]
+    tight = pool < 2048
+    params = SamplingParams(max_tokens=40 if tight else 8, ignore_eos=True)
+    runs = {}
+    for cache in ("off", "on"):
+        worker = WorkerConfig(mode=mode, device_kv_tokens=pool, max_running=4, offload=OffloadConfig(calibration_tokens=256))
+        engine = Engine(EngineConfig(worker=worker, batcher=BatcherConfig(prefix_cache=cache, offload=policy)), loaded=gemma_model)
+        assert engine.runner.window_history == (cache == "on")
+        first = engine.generate([shared + text[9000:9010]], params)
+        rest = engine.generate(prompts, params)
+        runs[cache] = [c.token_ids for c in first + rest], [c.cached_tokens for c in rest], engine.batcher.num_preemptions
+        assert not any(c.offloaded or c.error for c in first + rest)
+        # rings rebuilt: the two sharers' and, preempted, the third one's from its own cached blocks
+        assert engine.runner.window.rebuilt == (0 if cache == "off" else 3 if tight else 2)
+        assert_device_idle(engine)
+        engine.close()
+    assert runs["on"][0] == runs["off"][0]
+    assert runs["off"][1] == [0, 0, 0] and runs["on"][1] == [688, 592, 0]
+    assert (runs["on"][2] > 0) == tight

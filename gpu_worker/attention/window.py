@@ -3,7 +3,12 @@ one ring of `window` slots per sliding layer on the device, whatever its context
 lives in slot p % window of its ring, so a ring always holds the last `window` positions, all a
 query of these layers sees. Nothing of these layers is offloaded or recalled: a window is small
 and read at every step. The full layers keep the paged cache and are the offloaded backend's
-(vLLM's and SGLang's hybrid caches split the two the same way)."""
+(vLLM's and SGLang's hybrid caches split the two the same way).
+
+For the prefix cache, the sliding layers' KV of every resident token is also kept by its paged
+slot (the history, beside the paged cache, of the same blocks): a request starting from a cached
+prefix has its rings rebuilt from the history of the prefix's last `window` positions, which it
+could not compute without the window before them, and so on back to the first token."""
 
 from __future__ import annotations
 
@@ -28,7 +33,9 @@ class WindowCache:
     A ring is ceil(window / block_size) whole blocks (its first `window` slots used), so decode reads
     it as a block table like the paged cache's, with the same kernel."""
 
-    def __init__(self, config: ModelConfig, rings: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, rings: int, block_size: int, dtype: torch.dtype, device: torch.device, history_slots: int = 0):
+        """`history_slots`: the paged cache's slots, whose sliding-layer KV is kept for the prefix
+        cache (0: none kept, a request can only start from position 0)."""
         if rings < 1 or block_size < 1:
             raise ValueError(f"the sliding-window cache needs at least one request's ring and a block size, got {rings}, {block_size}")
         self.window, self.block_size = config.sliding_window, block_size
@@ -36,12 +43,20 @@ class WindowCache:
         self.ring_slots = self.ring_blocks * block_size
         self.index = {layer: i for i, layer in enumerate(config.sliding_layers)}  # model layer -> ring layer
         shape = (len(self.index), rings * self.ring_slots, config.num_kv_heads, config.head_dim)
-        nbytes = 2 * torch.Size(shape).numel() * dtype.itemsize
-        check_fits(nbytes, device, f"the sliding-window KV of {rings} running requests (--max-running)")
+        history = (len(self.index), history_slots, config.num_kv_heads, config.head_dim)
+        for size, what in (
+            (shape, f"the sliding-window KV of {rings} running requests (--max-running)"),
+            (history, f"the sliding layers' KV of the device pool's {history_slots} tokens, for the prefix cache (--window-history)"),
+        ):
+            check_fits(2 * torch.Size(size).numel() * dtype.itemsize, device, what)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # zeros, as the paged cache's: a ring rebuilt from a block's unwritten tail reads them under a mask
+        self.history_k = torch.zeros(history, dtype=dtype, device=device) if history_slots else None
+        self.history_v = torch.zeros(history, dtype=dtype, device=device) if history_slots else None
         self.free = list(range(rings - 1, -1, -1))
         self.rings: dict[str, int] = {}  # seq_id -> its ring
+        self.rebuilt = 0  # rings rebuilt from the history, since start
 
     @property
     def capacity(self) -> int:
@@ -52,21 +67,41 @@ class WindowCache:
         """The slots of a ring that hold positions: position p in slot p % window."""
         return slice(ring * self.ring_slots, ring * self.ring_slots + self.window)
 
+    @property
+    def keeps_history(self) -> bool:
+        return self.history_k is not None
+
     def admit(self, plan: StepPlan) -> dict[str, str]:
-        """Frees the rings of the requests the plan released, then gives each new one a ring; the
-        chunks of requests that cannot have one, with the reason (the scheduler's cap prevents it)."""
+        """Frees the rings of the requests the plan released, then gives each new one a ring (rebuilt
+        from the history when it starts from a cached prefix); the chunks of requests that cannot
+        have one, with the reason (the scheduler's cap prevents it)."""
         self.release(plan.released)
         failed = {}
         for chunk in plan.chunks:
             if chunk.seq_id in self.rings:
                 continue
-            if chunk.start_pos > 0:  # its window was written by a worker that is gone
-                failed[chunk.seq_id] = "this worker holds no sliding-window KV of the request"
+            if chunk.start_pos > 0 and (not self.keeps_history or chunk.offloaded):
+                failed[chunk.seq_id] = "this worker holds no sliding-window KV of the request's prefix"
             elif not self.free:
                 failed[chunk.seq_id] = f"the sliding-window cache holds {self.capacity} requests, all running"
             else:
                 self.rings[chunk.seq_id] = self.free.pop()
+                if chunk.start_pos > 0:
+                    self._rebuild(self.rings[chunk.seq_id], chunk.start_pos, chunk.block_table)
         return failed
+
+    def _rebuild(self, ring: int, start: int, block_table: tuple[int, ...]) -> None:
+        """The ring of a request starting at `start` holds positions start - window .. start - 1,
+        each read from the history at its slot in the request's blocks: one gather per K and V."""
+        B = self.block_size
+        positions = torch.arange(max(0, start - self.window), start)
+        table = torch.tensor(block_table[: -(-start // B)], dtype=torch.long)
+        source = table[positions // B] * B + positions % B
+        target = self.slots(ring).start + positions % self.window
+        source, target = to_device([source, target], self.k.device)
+        self.rebuilt += 1
+        self.k[:, target] = self.history_k[:, source]
+        self.v[:, target] = self.history_v[:, source]
 
     def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
         for seq_id in seq_ids:
@@ -152,6 +187,9 @@ class WindowedAttention:
             out[chunk] = prefill(q[chunk], k[chunk], v[chunk], k_ring[slots], v_ring[slots], start, window)
         k_ring.index_copy_(0, step.write_slots, k[step.write_index])
         v_ring.index_copy_(0, step.write_slots, v[step.write_index])
+        if cache.keeps_history:  # every resident token's, at its paged slot, as the full layers write theirs
+            cache.history_k[ring_layer].index_copy_(0, batch.write_slots, k[batch.resident_index])
+            cache.history_v[ring_layer].index_copy_(0, batch.write_slots, v[batch.resident_index])
         if batch.decode_index.numel():  # after the writes: a decode row attends its own token too
             rows = batch.decode_index
             out[rows] = decode_attention(q[rows], k_ring, v_ring, step.decode_tables, step.decode_lens, cache.block_size, self.workspace)

@@ -131,7 +131,7 @@ class SequenceError(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("worker_id", "pid", "device_blocks_total", "block_size", "max_position", "eos_id", "vocab_size", "model", "offload_blocks", "max_running", "host_tier")
+    __slots__ = ("worker_id", "pid", "device_blocks_total", "block_size", "max_position", "eos_id", "vocab_size", "model", "offload_blocks", "max_running", "host_tier", "window_history")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class Heartbeat(_message.Message):
     OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_HISTORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     pid: int
     device_blocks_total: int
@@ -154,7 +155,8 @@ class Heartbeat(_message.Message):
     offload_blocks: int
     max_running: int
     host_tier: bool
-    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., max_position: _Optional[int] = ..., eos_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., offload_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., host_tier: _Optional[bool] = ...) -> None: ...
+    window_history: bool
+    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., max_position: _Optional[int] = ..., eos_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., offload_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., host_tier: _Optional[bool] = ..., window_history: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("result", "heartbeat")
