@@ -98,21 +98,23 @@ class GatewayCore:
         if prompt.token_ids is not None:
             return prompt.token_ids
         if prompt.chat is not None:  # the template writes any BOS it wants
-            text, add_special = self.tokenizer.render_chat(prompt.chat), False
-        else:
-            text, add_special = prompt.text, True
-        return await asyncio.to_thread(self.tokenizer.encode, self._fitting(text), add_special)
+            return await self.encode(self.tokenizer.render_chat(prompt.chat), add_special=False)
+        return await self.encode(prompt.text, add_special=True)
 
-    def _fitting(self, text: str) -> str:
-        """Refuses at once a text too long to fit the context whatever its tokens (no token is
-        longer than max_token_chars), instead of tokenizing megabytes to find out."""
+    async def encode(self, text: str, add_special: bool) -> list[int]:
+        """A text's ids, tokenized on a thread; a text too long to fit the context whatever its
+        tokens (no token is longer than max_token_chars) is refused at once, not tokenized to find out."""
         if len(text) > self.max_context * self.tokenizer.max_token_chars:
             raise ValueError(f"the prompt ({len(text)} characters) is longer than this model's context of {self.max_context} tokens")
-        return text
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta.config.vocab_size
 
     def prepare(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> Prepared:
         """Checks a request against the model; raises ValueError with the reason."""
-        vocab = self.meta.config.vocab_size
+        vocab = self.vocab_size
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         check_token_ids(prompt_ids, vocab, "prompt token ids")
@@ -153,7 +155,7 @@ class GatewayCore:
     async def _events(self, submitted: Submitted, request: Prepared, arrived: float) -> AsyncIterator[Delta | Final]:
         """One Delta per wake-up, however many tokens arrived meanwhile: a gateway that falls
         behind sends fewer, larger events instead of a growing backlog."""
-        stream = TextStream(self.tokenizer, request.params.stop, request.prompt_ids)
+        stream = TextStream(self.tokenizer, request.params.stop, request.prompt_ids, request.params.min_tokens)
         output = array("q")  # a container the garbage collector does not scan, as the prompt's tuple
         last_token_at = None
         while True:

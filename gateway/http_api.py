@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from importlib.metadata import version
 from json.encoder import encode_basestring
 
 import grpc
@@ -13,8 +17,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, key_matches
-from pulseinfer.gateway.openai_api import ApiError, ParsedRequest, ResponseShape, finish_reason, parse_body, parse_chat, parse_completion
+from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, Prompt, key_matches
+from pulseinfer.gateway.openai_api import (
+    ApiError,
+    ParsedRequest,
+    ResponseShape,
+    finish_reason,
+    parse_body,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from pulseinfer.scheduler.request import check_token_ids
 
 MAX_REQUEST_BYTES = 2 << 20  # a prompt filling a 32k context is well under 1 MiB of JSON
 _to_json = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps with options builds an encoder per call
@@ -52,6 +67,9 @@ class HttpApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),  # vLLM's path
+            Route("/tokenize", self.tokenize, methods=["POST"]),  # vLLM's paths and shapes
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
 
@@ -101,6 +119,36 @@ class HttpApi:
             return error_response(ApiError(503, f"the scheduler is not answering: {e.details()}"))
         return JSONResponse({"freed_blocks": freed})
 
+    async def tokenize(self, request: Request) -> Response:
+        """A prompt's (or chat messages') token ids as the completions would see them."""
+        try:
+            self._require_key(request)
+            body = parse_body(await read_body(request, self.max_request_bytes))
+            self._check_model(body)
+            what = parse_tokenize(body, self.core.tokenizer.render_chat)
+            ids = await self.core.encode(what.text, what.add_special)
+        except ValueError as e:
+            return error_response(ApiError(400, str(e)))
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse({"count": len(ids), "max_model_len": self.core.max_context, "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            self._require_key(request)
+            body = parse_body(await read_body(request, self.max_request_bytes))
+            self._check_model(body)
+            ids = parse_detokenize(body)
+            check_token_ids(ids, self.core.vocab_size, "tokens")
+        except ValueError as e:
+            return error_response(ApiError(400, str(e), param="tokens"))
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse({"prompt": await asyncio.to_thread(self.core.tokenizer.decode, ids)})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": version("pulseinfer")})
+
     async def _not_found(self, request: Request, exc) -> Response:
         return error_response(ApiError(404, f"no route {request.url.path}", code="not_found"))
 
@@ -113,16 +161,47 @@ class HttpApi:
         try:
             self._require_key(request)
             parsed = self._parse(parse_body(await read_body(request, self.max_request_bytes)), chat)
-            prepared = await self._prepare(parsed)
-            events = self.core.generate(prepared)
-            first = await self._first_event(events)
+            choices = await self._start(parsed)
         except ApiError as e:
             self.core.metrics.errors.inc(code=str(e.status))
             return error_response(e)
-        shape = ResponseShape(chat, self.core.model_id, prepared.request_id)
+        shape = ResponseShape(chat, self.core.model_id, choices[0].request_id)
         if parsed.stream:
-            return StreamingResponse(self._sse(shape, first, events, parsed.include_usage), media_type="text/event-stream")
-        return await self._until_done_or_disconnect(request, self._collect(shape, first, events))
+            return StreamingResponse(self._sse(shape, choices, parsed.n, parsed.include_usage), media_type="text/event-stream")
+        return await self._until_done_or_disconnect(request, self._collect(shape, choices, parsed.n))
+
+    async def _start(self, parsed: ParsedRequest) -> list[Choice]:
+        """Every choice admitted, in index order (n per prompt), or none: the first choice of each
+        prompt is admitted first and the others once it has its first token, when its prompt's full
+        blocks are in the prefix cache, which they reuse (the prompt is computed once)."""
+        prepared = [await self._prepare(prompt, parsed) for prompt in parsed.prompts]
+        started: list[Choice] = []
+        try:
+            await self._admit(started, [(i * parsed.n, p) for i, p in enumerate(prepared)])
+            copies = [(i * parsed.n + j, self._copy(p, j)) for i, p in enumerate(prepared) for j in range(1, parsed.n)]
+            await self._admit(started, copies)
+        except BaseException:
+            await asyncio.gather(*(c.events.aclose() for c in started), return_exceptions=True)
+            raise
+        return sorted(started, key=lambda c: c.index)
+
+    async def _admit(self, started: list[Choice], requests: list[tuple[int, Prepared]]) -> None:
+        """Submits the requests at once; each one whose first event came is appended to `started`."""
+
+        async def admit(index: int, prepared: Prepared) -> None:
+            events = self.core.generate(prepared)
+            first = await self._first_event(events)
+            started.append(Choice(index, prepared.request_id, first, events))
+
+        results = await asyncio.gather(*(admit(i, p) for i, p in requests), return_exceptions=True)
+        if errors := [r for r in results if isinstance(r, BaseException)]:
+            raise errors[0]
+
+    def _copy(self, prepared: Prepared, copy: int) -> Prepared:
+        """Choice `copy` of a prompt: a request of its own, with a seed of its own when seeded (its tokens differ)."""
+        seed = prepared.params.seed
+        params = prepared.params if seed is None else dataclasses.replace(prepared.params, seed=(seed + copy) % 2**63)
+        return self.core.prepare(list(prepared.prompt_ids), params, max_tokens_given=True)
 
     def _require_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -138,6 +217,11 @@ class HttpApi:
         return None
 
     def _parse(self, body: dict, chat: bool) -> ParsedRequest:
+        self._check_model(body)
+        parse = parse_chat if chat else parse_completion
+        return parse(body, self.default_max_tokens)
+
+    def _check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is not None and model != self.core.model_id:
             raise ApiError(
@@ -146,12 +230,10 @@ class HttpApi:
                 param="model",
                 code="model_not_found",
             )
-        parse = parse_chat if chat else parse_completion
-        return parse(body, self.default_max_tokens)
 
-    async def _prepare(self, parsed: ParsedRequest) -> Prepared:
+    async def _prepare(self, prompt: Prompt, parsed: ParsedRequest) -> Prepared:
         try:
-            prompt_ids = await self.core.tokenize(parsed.prompt)
+            prompt_ids = await self.core.tokenize(prompt)
             return self.core.prepare(prompt_ids, parsed.params, parsed.max_tokens_given)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
@@ -163,18 +245,11 @@ class HttpApi:
         except GenerationError as e:
             raise generation_error(e) from None
 
-    async def _collect(self, shape: ResponseShape, first: Delta | Final, events: AsyncIterator[Delta | Final]) -> Response:
-        text = []
-        event = first
-        try:
-            while isinstance(event, Delta):
-                text.append(event.text)
-                event = await anext(events)
-        finally:
-            await events.aclose()  # also when cancelled: core.generate's finally aborts the request
-        if event.finish_reason == "error":
-            return error_response(ApiError(503, event.error, code="worker_failed"))
-        return JSONResponse(shape.full("".join(text), event))
+    async def _collect(self, shape: ResponseShape, choices: list[Choice], n: int) -> Response:
+        results = await asyncio.gather(*(_text_of(choice) for choice in choices))  # cancelled: each closes its stream
+        if failed := next((final for _, final in results if final.finish_reason == "error"), None):
+            return error_response(ApiError(503, failed.error, code="worker_failed"))
+        return JSONResponse(shape.full([text for text, _ in results], [final for _, final in results], n))
 
     async def _until_done_or_disconnect(self, request: Request, work) -> Response:
         """A non-streaming request whose client hangs up is aborted, not finished for nobody."""
@@ -187,26 +262,92 @@ class HttpApi:
             return Response(status_code=499)
         return task.result()
 
-    async def _sse(self, shape: ResponseShape, first: Delta | Final, events: AsyncIterator[Delta | Final], include_usage: bool):
-        # a client that disconnects cancels this generator; core.generate's finally aborts the request
-        if shape.chat:
-            yield _sse_line(shape.chunk("", role=True))
-        text_line = _text_line_template(shape)
-        event = first
+    async def _sse(self, shape: ResponseShape, choices: list[Choice], n: int, include_usage: bool):
+        # a client that disconnects closes this generator, which closes every stream (core.generate aborts its request)
+        text_lines = {choice.index: _text_line_template(shape, choice.index) for choice in choices}
+        finals: dict[int, Final] = {}
+        merged = _merged(choices)
         try:
-            while isinstance(event, Delta):
-                if event.text:
-                    yield text_line(event.text)
-                event = await anext(events)
+            if shape.chat:
+                for choice in choices:
+                    yield _sse_line(shape.chunk("", role=True, index=choice.index))
+            async for index, event in merged:
+                if isinstance(event, Delta):
+                    if event.text:
+                        yield text_lines[index](event.text)
+                elif event.finish_reason == "error":
+                    yield _sse_line(ApiError(503, event.error, code="worker_failed").body())
+                    break
+                else:
+                    finals[index] = event
+                    yield _sse_line(shape.chunk(None if shape.chat else "", reason=finish_reason(event), index=index))
         finally:
-            await events.aclose()
-        if event.finish_reason == "error":
-            yield _sse_line(ApiError(503, event.error, code="worker_failed").body())
-        else:
-            yield _sse_line(shape.chunk(None if shape.chat else "", reason=finish_reason(event)))
-            if include_usage:
-                yield _sse_line(shape.usage_chunk(event))
+            await merged.aclose()  # now, not when collected: every stream still open is aborted
+        if include_usage and len(finals) == len(choices):
+            yield _sse_line(shape.usage_chunk([finals[c.index] for c in choices], n))
         yield "data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """One choice's generation, admitted: its first event and the rest."""
+
+    index: int
+    request_id: str
+    first: Delta | Final
+    events: AsyncIterator[Delta | Final]
+
+
+async def _events_of(choice: Choice) -> AsyncIterator[Delta | Final]:
+    """Its events, the first included, through its Final; its stream closed after (also when cancelled)."""
+    try:
+        event = choice.first
+        yield event
+        while isinstance(event, Delta):
+            event = await anext(choice.events)
+            yield event
+    finally:
+        await choice.events.aclose()
+
+
+async def _text_of(choice: Choice) -> tuple[str, Final]:
+    text = []
+    async with aclosing(_events_of(choice)) as events:
+        async for event in events:
+            if isinstance(event, Delta):
+                text.append(event.text)
+    return "".join(text), event
+
+
+async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[int, Delta | Final]]:
+    """The choices' events as they come, each with its choice's index. One choice is read as it is
+    (no task, no queue: the common case, at every stream's token rate)."""
+    if len(choices) == 1:
+        async with aclosing(_events_of(choices[0])) as events:
+            async for event in events:
+                yield choices[0].index, event
+        return
+    queue: asyncio.Queue[tuple[int, Delta | Final] | None] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        async with aclosing(_events_of(choice)) as events:
+            async for event in events:
+                queue.put_nowait((choice.index, event))
+        queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -231,10 +372,11 @@ def _sse_line(body: dict) -> str:
     return f"data: {_to_json(body)}\n\n"
 
 
-def _text_line_template(shape: ResponseShape) -> Callable[[str], str]:
-    """The SSE line of a text chunk, as _sse_line(shape.chunk(text)) writes it, with the request's
-    constant fields serialized once: per event only the text is encoded."""
-    head, mark, tail = _sse_line(shape.chunk(_TEXT_MARK)).rpartition(_to_json(_TEXT_MARK))  # the text is the last field
+def _text_line_template(shape: ResponseShape, index: int) -> Callable[[str], str]:
+    """The SSE line of a choice's text chunk, as _sse_line(shape.chunk(text, index=index)) writes it,
+    with the request's constant fields serialized once: per event only the text is encoded."""
+    chunk = _sse_line(shape.chunk(_TEXT_MARK, index=index))
+    head, mark, tail = chunk.rpartition(_to_json(_TEXT_MARK))  # the text is the last field
     assert mark, "the chunk has no text field"
     return lambda text: head + encode_basestring(text) + tail
 

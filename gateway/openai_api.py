@@ -1,5 +1,11 @@
 """OpenAI request bodies -> (prompt ids, SamplingParams), and the response objects back.
 
+The bodies are pydantic models (strict: JSON true is no number, NaN no float) that forbid any
+field they do not declare, so nothing a client sends is silently ignored: a field is either
+implemented, accepted only at its neutral value (the value that asks for nothing, as a client
+library may send it), accepted and ignored on purpose (IGNORED: it does not change the output),
+or refused with a 400 naming it (README "OpenAI API parameters").
+
 Every problem is an ApiError with the HTTP status and an OpenAI-style error body; nothing
 here raises anything else on any JSON input.
 """
@@ -7,17 +13,31 @@ here raises anything else on any JSON input.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pulseinfer.gateway.core import Final, Prompt
 from pulseinfer.scheduler.request import MAX_STOP_STRINGS, SamplingParams
 
-CHAT_ROLES = ("system", "user", "assistant")
-# accepted for compatibility only at their neutral value
-NEUTRAL_FIELDS = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None}
+# fields that do not change the output, accepted and ignored on purpose (OpenAI's bookkeeping and routing hints)
+IGNORED = ("user", "service_tier", "metadata", "store", "prompt_cache_key", "safety_identifier")
+# accepted only at the value that asks for nothing: anything else is refused, naming the field
+NEUTRAL = {
+    "best_of": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "logprobs": (False,),  # chat's boolean; a completion's count is refused whatever it is (0 asks for the sampled token's)
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),  # says nothing without tools
+    "response_format": ({"type": "text"},),
+}
 
 
 class ApiError(Exception):
@@ -33,9 +53,102 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+ChatRole = Literal["system", "user", "assistant"]
+CHAT_ROLES = get_args(ChatRole)
+
+
+class ChatMessage(_Body):
+    role: ChatRole
+    content: Any  # a string or an array of text parts (checked with its index, for the error's param)
+
+
+class _Request(_Body):
+    """The fields completions and chat share. None: the client did not send it (or sent null)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extension, as ignore_eos, stop_token_ids, min_p and min_tokens
+    min_p: float | None = None
+    min_tokens: int | None = None
+    seed: int | None = None
+    stop: Any = None  # a string or an array of them
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: Any  # a string, an array of token ids, or an array of either
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered by the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template writes its own)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class TokenizeText:
+    """What /tokenize encodes: a text, with the tokenizer's special tokens or without."""
+
+    text: str
+    add_special: bool
+
+
+MAX_CHOICES = 128  # prompts times n, per request
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
-    prompt: Prompt
+    prompts: tuple[Prompt, ...]  # a completion's batch of prompts; a chat's one
+    n: int  # choices per prompt
     params: SamplingParams
     max_tokens_given: bool
     stream: bool
@@ -61,72 +174,93 @@ def parse_body(raw: bytes) -> dict:
 
 
 def parse_completion(body: dict, default_max_tokens: int) -> ParsedRequest:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(400, "'prompt' is required", param="prompt")
-    return _parsed(body, _completion_prompt(prompt), default_max_tokens, "max_tokens")
+    request = _validated(CompletionRequest, body)
+    if request.logprobs is not None:
+        raise ApiError(400, "'logprobs' is not supported by this server", param="logprobs")
+    return _parsed(request, _completion_prompts(request.prompt), default_max_tokens, request.max_tokens)
 
 
 def parse_chat(body: dict, default_max_tokens: int) -> ParsedRequest:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty array of messages", param="messages")
-    turns = [_chat_message(m, i) for i, m in enumerate(messages)]
-    if _get(body, "logprobs", bool, False) or body.get("top_logprobs") is not None:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _parsed(body, Prompt(chat=turns), default_max_tokens, key)
+    request = _validated(ChatRequest, body)
+    turns = [{"role": m.role, "content": _chat_content(m.content, f"messages[{i}].content")} for i, m in enumerate(request.messages)]
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    return _parsed(request, (Prompt(chat=turns),), default_max_tokens, max_tokens)
 
 
-def _parsed(body: dict, prompt: Prompt, default_max_tokens: int, max_tokens_key: str) -> ParsedRequest:
-    for name, neutral in NEUTRAL_FIELDS.items():
-        if body.get(name, neutral) not in (neutral, None):
-            raise ApiError(400, f"'{name}' is not supported (only {json.dumps(neutral)})", param=name)
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise ApiError(400, f"only n=1 is supported, got n={n}", param="n")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    max_tokens = _get(body, max_tokens_key, int, None)
+def parse_tokenize(body: dict, render_chat) -> TokenizeText:
+    """The text /tokenize encodes; `render_chat(turns, add_generation_prompt)` is the model's template."""
+    request = _validated(TokenizeRequest, body)
+    if (request.prompt is None) == (request.messages is None):
+        raise ApiError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+    if request.prompt is not None:
+        return TokenizeText(_text(request.prompt, "prompt"), _or(request.add_special_tokens, True))
+    turns = [{"role": m.role, "content": _chat_content(m.content, f"messages[{i}].content")} for i, m in enumerate(request.messages)]
+    return TokenizeText(render_chat(turns, request.add_generation_prompt), _or(request.add_special_tokens, False))
+
+
+def parse_detokenize(body: dict) -> list[int]:
+    return _validated(DetokenizeRequest, body).tokens
+
+
+def _validated(model: type[_Body], body: dict) -> _Body:
+    """The body as `model`, its fields beyond the implemented ones at their neutral values."""
+    try:
+        request = model.model_validate(body)
+    except ValidationError as e:
+        raise _api_error(e.errors(include_url=False)[0]) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    for name in NEUTRAL.keys() & request.model_fields_set & type(request).model_fields.keys():
+        value = getattr(request, name)
+        if value is not None and value not in NEUTRAL[name]:
+            neutral = " or ".join(json.dumps(v) for v in NEUTRAL[name])
+            raise ApiError(400, f"'{name}' is not supported by this server (only {neutral})", param=name)
+    return request
+
+
+def _api_error(error: dict) -> ApiError:
+    """One pydantic error as a 400 naming the field: messages[0].role, stream_options.include_usage."""
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    if error["type"] == "extra_forbidden":
+        return ApiError(400, f"'{param}' is not supported by this server (README: OpenAI API parameters)", param=param)
+    if error["type"] == "missing":
+        return ApiError(400, f"'{param}' is required", param=param)
+    return ApiError(400, f"'{param}': {error['msg']}", param=param)
+
+
+def _parsed(request: _Request, prompts: tuple[Prompt, ...], default_max_tokens: int, max_tokens: int | None) -> ParsedRequest:
+    n = _or(request.n, 1)
+    if not 1 <= n <= MAX_CHOICES // len(prompts):
+        raise ApiError(400, f"'n' must be in [1, {MAX_CHOICES // len(prompts)}]: at most {MAX_CHOICES} choices a request", param="n")
     params = SamplingParams(
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        temperature=_get(body, "temperature", float, 1.0),
-        top_p=_get(body, "top_p", float, 1.0),
-        top_k=_get(body, "top_k", int, 0),
-        seed=_get(body, "seed", int, None),
-        stop=_stop(body.get("stop")),
-        stop_token_ids=tuple(_int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
-        ignore_eos=_get(body, "ignore_eos", bool, False),
+        temperature=_or(request.temperature, 1.0),
+        top_p=_or(request.top_p, 1.0),
+        top_k=_or(request.top_k, 0),
+        seed=request.seed,
+        stop=_stop(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=_or(request.ignore_eos, False),
+        min_p=_or(request.min_p, 0.0),
+        min_tokens=_or(request.min_tokens, 0),
+        logit_bias=_logit_bias(request.logit_bias or {}),
     )
-    stream = _get(body, "stream", bool, False)
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not stream):
-        raise ApiError(400, "'stream_options' must be an object and needs 'stream': true", param="stream_options")
-    include_usage = _get(options or {}, "include_usage", bool, False)
-    return ParsedRequest(prompt, params, max_tokens is not None, stream, include_usage)
+    stream = _or(request.stream, False)
+    if request.stream_options is not None and not stream:
+        raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
+    include_usage = request.stream_options is not None and _or(request.stream_options.include_usage, False)
+    return ParsedRequest(prompts, n, params, max_tokens is not None, stream, include_usage)
 
 
-def _get(body: dict, name: str, kind: type, default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    # JSON true/false are Python bools, a subclass of int: never accept them as numbers
-    if kind is bool and not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be a boolean", param=name)
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ApiError(400, f"'{name}' must be an integer", param=name)
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ApiError(400, f"'{name}' must be a finite number", param=name)
-        value = float(value)
-    return value
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (as JSON keys: strings) to biases, as (id, bias) pairs."""
+    if any(not key.isascii() or not key.isdigit() or len(key) > 12 for key in bias):
+        raise ApiError(400, "'logit_bias' keys must be token ids (decimal integers)", param="logit_bias")
+    return tuple(sorted((int(key), value) for key, value in bias.items()))
 
 
-def _int_list(value: Any, param: str) -> list[int]:
-    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
-        raise ApiError(400, f"'{param}' must be an array of integers", param=param)
-    return value
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -147,45 +281,47 @@ def _text(value: str, param: str) -> str:
     return value
 
 
-def _completion_prompt(prompt: Any) -> Prompt:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return Prompt(text=_text(prompt, "prompt"))
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return Prompt(token_ids=prompt)
-    raise ApiError(400, "'prompt' must be a string, an array of token ids, or a batch of one of those", param="prompt")
+def _completion_prompts(prompt: Any) -> tuple[Prompt, ...]:
+    """OpenAI's four forms: a string, an array of token ids, or an array (a batch) of either."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return (_completion_prompt(prompt),)
+    if isinstance(prompt, list) and 0 < len(prompt) <= MAX_CHOICES and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        return tuple(_completion_prompt(p) for p in prompt)
+    raise ApiError(400, f"'prompt' must be a string, an array of token ids, or an array of at most {MAX_CHOICES} of either", param="prompt")
 
 
-def _chat_message(message: Any, index: int) -> dict[str, str]:
-    param = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise ApiError(400, f"{param} must be an object with 'role' and 'content'", param=param)
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise ApiError(400, f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}", param=f"{param}.role")
-    return {"role": role, "content": _chat_content(message.get("content"), f"{param}.content")}
+def _completion_prompt(prompt: str | list[int]) -> Prompt:
+    return Prompt(text=_text(prompt, "prompt")) if isinstance(prompt, str) else Prompt(token_ids=prompt)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _chat_content(content: Any, param: str) -> str:
     if isinstance(content, str):
         return _text(content, param)
     if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) and p.keys() == {"type", "text"} for p in content
     ):
         return _text("".join(p["text"] for p in content), param)
-    raise ApiError(400, f"{param} must be a string or an array of text parts", param=param)
+    raise ApiError(400, f"'{param}' must be a string or an array of text parts", param=param)
 
 
 # ---------------------------------------------------------------- responses
 
 
-def usage(final: Final) -> dict:
+def usage(finals: list[Final], n: int) -> dict:
+    """The choices' usage, in choice order (n per prompt): each prompt counts once, as its first
+    choice computed it (the others reuse its KV); every choice's tokens count."""
+    firsts = finals[::n]
+    prompt = sum(f.prompt_tokens for f in firsts)
+    completion = sum(f.completion_tokens for f in finals)
     return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)},
     }
 
 
@@ -208,23 +344,21 @@ class ResponseShape:
             body["usage"] = usage_body
         return body
 
-    def full(self, text: str, final: Final) -> dict:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason(final),
-            }
-            return self._object("chat.completion", [choice], usage(final))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(final)}
-        return self._object("text_completion", [choice], usage(final))
+    def full(self, texts: list[str], finals: list[Final], n: int) -> dict:
+        """Every choice, in index order."""
+        choices = [self._choice(i, text, final) for i, (text, final) in enumerate(zip(texts, finals))]
+        return self._object("chat.completion" if self.chat else "text_completion", choices, usage(finals, n))
 
-    def chunk(self, text: str | None, reason: str | None = None, role: bool = False) -> dict:
+    def _choice(self, index: int, text: str, final: Final) -> dict:
+        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason(final)}
+
+    def chunk(self, text: str | None, reason: str | None = None, role: bool = False, index: int = 0) -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}], None)
-        return self._object("text_completion", [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}], None)
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return self._object("chat.completion.chunk", [choice], None)
+        return self._object("text_completion", [{"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}], None)
 
-    def usage_chunk(self, final: Final) -> dict:
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage(final))
+    def usage_chunk(self, finals: list[Final], n: int) -> dict:
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage(finals, n))

@@ -104,8 +104,7 @@ class RequestTable:
                 continue
             entry.known += 1
             entry.last = sampled.token_id
-            s = entry.sampling
-            entry.sampling = SamplingSpec(s.temperature, s.top_p, s.top_k, s.seed, s.step + 1)
+            entry.sampling = entry.sampling.next()
             entry.ended = sampled.token_id in entry.stops
             handles.append(handle)
             tokens.append(sampled.token_id)

@@ -1,10 +1,13 @@
-"""Token selection: greedy, or temperature / top-k / top-p with a per-token seeded generator."""
+"""Token selection: greedy, or temperature / min-p / top-k / top-p (vLLM's order) with a per-token
+seeded generator, after each row's logit_bias and, before its min_tokens, its stop tokens banned."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from pulseinfer.common.syncs import to_host
+from pulseinfer.common.syncs import to_device, to_host
 from pulseinfer.scheduler.plan import SamplingSpec
 
 _SEED_STRIDE = 1_000_003  # distinct generator seeds per (request seed, token index)
@@ -23,6 +26,7 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int | str]:
     check, and the distributions of the rows that sample, in one transfer."""
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(specs)} sampling specs")
+    logits = _biased(logits, specs)
     sampled = [i for i, spec in enumerate(specs) if spec.temperature >= _SAMPLING_EPS]
     # amax propagates NaN, so this one check catches NaN, all -inf and +inf rows (whose distributions go unused)
     greedy, finite, *probs = to_host(
@@ -41,11 +45,29 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int | str]:
     return tokens
 
 
+def _biased(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """The logits with every row's logit_bias added and its stop tokens at -inf while it is short
+    of min_tokens: one scatter for the batch, on a copy (the logits as they are when no row asks)."""
+    if not any(spec.bias_ids or spec.step < spec.min_tokens for spec in specs):
+        return logits
+    rows, ids, values = [], [], []
+    for row, spec in enumerate(specs):
+        banned = spec.stop_ids if spec.step < spec.min_tokens else ()
+        for tokens, add in ((spec.bias_ids, spec.bias_values), (banned, (float("-inf"),) * len(banned))):
+            rows += [row] * len(tokens)
+            ids += tokens
+            values += add
+    index = to_device([torch.tensor(rows), torch.tensor(ids), torch.tensor(values, dtype=torch.float32)], logits.device)
+    return logits.float().index_put((index[0], index[1]), index[2], accumulate=True)
+
+
 def _probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     """The distribution a row samples from, on the logits' device. With a finite maximum the scaled
     row has a 0 at the top and <= 0 (or -inf) elsewhere: softmax of it is a valid distribution for any temperature."""
     logits = logits.float()
     scaled = (logits - logits.max()) / min(spec.temperature, _MAX_TEMPERATURE)
+    if spec.min_p > 0:  # p / p_max = exp(scaled): keep p >= min_p * p_max
+        scaled = scaled.masked_fill(scaled < math.log(spec.min_p), float("-inf"))
     if 0 < spec.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, spec.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -137,7 +137,7 @@ class Engine:
         seq = Sequence.admit(seq_id, prompt_ids, params, self.loaded.config.vocab_size)
         self.batcher.add(seq)
         self._seqs[seq_id] = seq
-        self._streams[seq_id] = TextStream(self.tokenizer, params.stop, prompt_ids)
+        self._streams[seq_id] = TextStream(self.tokenizer, params.stop, prompt_ids, params.min_tokens)
         return seq_id
 
     def step(self, pick: Pick | None = None) -> list[Completion]:

@@ -287,7 +287,7 @@ class Batcher:
     def _admission(self, seq: Sequence, first: Chunk) -> Admission:
         """Sampling as of its next token: a first chunk that samples has counted that token pending already."""
         p = seq.params
-        sampling = first.sampling or seq.sampling_spec()
+        sampling = first.sampling or seq.sampling_spec(self.limits.eos_id)
         return Admission(
             seq.handle, seq.seq_id, first.start_pos, seq.num_known, sampling, seq.offloaded, first.host_prefix,
             p.stop_token_ids, p.ignore_eos,
@@ -310,7 +310,7 @@ class Batcher:
             token_ids,
             start,
             self._table(seq),
-            seq.sampling_spec() if sampled else None,
+            seq.sampling_spec(self.limits.eos_id) if sampled else None,
             seq.offloaded,
             host_prefix,
             seq.handle,

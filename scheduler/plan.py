@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 # SamplingSpec, Chunk and SampledToken, built per request per step, are slotted and not frozen: a
 # frozen dataclass's __init__ costs 1.2 us against 0.2, at batch 256 a quarter millisecond of every
-# step on each side of the wire (DESIGN.md §10). Nothing mutates them.
+# step on each side of the wire (DESIGN.md §10). Nothing mutates them once made.
 
 
 @dataclass(slots=True)
@@ -18,6 +18,18 @@ class SamplingSpec:
     top_k: int
     seed: int
     step: int  # index of the token being sampled; with seed, makes sampling stateless and reproducible
+    min_p: float = 0.0  # tokens less likely than min_p times the likeliest are dropped (after temperature)
+    min_tokens: int = 0  # while step < min_tokens, stop_ids cannot be sampled
+    stop_ids: tuple[int, ...] = ()  # the tokens that end the request (eos unless ignored, stop_token_ids); only with min_tokens
+    bias_ids: tuple[int, ...] = ()  # logit_bias: added to these tokens' logits before anything else
+    bias_values: tuple[float, ...] = ()
+
+    def next(self) -> SamplingSpec:
+        """The spec of the token after this one."""
+        return SamplingSpec(
+            self.temperature, self.top_p, self.top_k, self.seed, self.step + 1,
+            self.min_p, self.min_tokens, self.stop_ids, self.bias_ids, self.bias_values,
+        )  # fmt: skip
 
 
 PENDING_TOKEN = -1  # a decode chunk's input planned a step ahead: the token its worker samples in the step before

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pulseinfer.scheduler.plan import SamplingSpec
 
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 UINT32_MAX = 2**32 - 1  # max_tokens, top_k and token ids travel as proto uint32
 FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p travel as proto float
 
@@ -32,6 +33,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # 0: off
+    min_tokens: int = 0  # tokens generated before eos, stop_token_ids or a stop string may end it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first bad field."""
@@ -48,6 +52,20 @@ class SamplingParams:
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, each with a bias in [-100, 100]")
+        check_token_ids([token for token, _ in self.logit_bias], vocab_size, "logit_bias token ids")
+        if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
+
+    def stop_ids(self, eos_id: int | None) -> frozenset[int]:
+        """The tokens that end the request when sampled."""
+        eos = () if eos_id is None or self.ignore_eos else (eos_id,)
+        return frozenset((*self.stop_token_ids, *eos))
 
 
 def check_token_ids(ids, vocab_size: int, what: str) -> None:
@@ -129,6 +147,12 @@ class Sequence:
     def in_prefill(self) -> bool:
         return self.num_cached < self.length - 1
 
-    def sampling_spec(self) -> SamplingSpec:
+    def sampling_spec(self, eos_id: int | None) -> SamplingSpec:
+        """Made for every chunk that samples: what few requests ask for is filled in only for them."""
         p = self.params
-        return SamplingSpec(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=self.seed, step=self.num_outputs)
+        spec = SamplingSpec(p.temperature, p.top_p, p.top_k, self.seed, self.num_outputs, p.min_p)
+        if p.min_tokens:
+            spec.min_tokens, spec.stop_ids = p.min_tokens, tuple(sorted(p.stop_ids(eos_id)))
+        if p.logit_bias:
+            spec.bias_ids, spec.bias_values = map(tuple, zip(*p.logit_bias))
+        return spec

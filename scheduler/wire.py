@@ -55,11 +55,16 @@ def _admission(a: Admission) -> worker_pb2.Admission:
 
 
 def sampling_to_proto(s: SamplingSpec) -> worker_pb2.SamplingSpec:
-    return worker_pb2.SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step)
+    return worker_pb2.SamplingSpec(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step, min_p=s.min_p, min_tokens=s.min_tokens,
+        stop_ids=s.stop_ids, bias_ids=s.bias_ids, bias_values=s.bias_values,
+    )  # fmt: skip
 
 
 def sampling_from_proto(s: worker_pb2.SamplingSpec) -> SamplingSpec:
-    return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step)
+    return SamplingSpec(
+        s.temperature, s.top_p, s.top_k, s.seed, s.step, s.min_p, s.min_tokens, tuple(s.stop_ids), tuple(s.bias_ids), tuple(s.bias_values)
+    )
 
 
 def tokens_from_result(seq_ids: dict[int, str], result: worker_pb2.StepResult) -> list[SampledToken]:
@@ -84,6 +89,9 @@ def params_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         stop=p.stop,
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
+        min_p=p.min_p,
+        min_tokens=p.min_tokens,
+        logit_bias=dict(p.logit_bias),
     )
     if p.seed is not None:
         message.seed = p.seed
@@ -106,4 +114,7 @@ def params_from_proto(message: generate_pb2.SamplingParams, default_max_tokens: 
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=get("ignore_eos", d.ignore_eos),
+        min_p=get("min_p", d.min_p),
+        min_tokens=get("min_tokens", d.min_tokens),
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )

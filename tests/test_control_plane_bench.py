@@ -97,7 +97,7 @@ def gateway_events(tokens: int) -> tuple[str, ...]:
     shape = ResponseShape(chat=False, model="m", request_id="r")
     final = Final("length", 3, tokens, None, None, 0)
     texts = [_sse_line(shape.chunk(' "usage" error')) for _ in range(tokens - 1)]  # text that looks like keys stays text
-    return (*texts, _sse_line(shape.chunk("", reason="length")), _sse_line(shape.usage_chunk(final)), "data: [DONE]\n\n")
+    return (*texts, _sse_line(shape.chunk("", reason="length")), _sse_line(shape.usage_chunk([final], 1)), "data: [DONE]\n\n")
 
 
 def test_timeline_reads_the_gateways_events():

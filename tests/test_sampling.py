@@ -1,3 +1,5 @@
+import math
+
 import torch
 
 from pulseinfer.common.model.tokenizer import TextStream
@@ -125,8 +127,53 @@ def test_unsampleable_logits_fail_only_their_request(engine, monkeypatch):
     engine.allocator.check()
 
 
+def test_logit_bias_moves_only_its_own_rows_tokens():
+    """Row 0's +5 on token 3 beats its top logit by 1 (greedy takes it); row 1's -100 on its top
+    token hands greedy to its second; row 2 asks nothing and keeps its argmax."""
+    logits = torch.tensor([[0.0, 4.0, 1.0, 0.0], [0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0]])
+    specs = [spec(temperature=0.0, bias_ids=(3,), bias_values=(5.0,)), spec(temperature=0.0, bias_ids=(1,), bias_values=(-100.0,))]
+    assert sample(logits, [*specs, spec(temperature=0.0)]) == [3, 2, 1]
+    # sampled: a +ln(3) bias on token 0 of two equal logits makes it 3:1, as softmax says
+    picks = [sample(torch.zeros(1, 2), [spec(bias_ids=(0,), bias_values=(math.log(3),), step=s)])[0] for s in range(4000)]
+    assert abs(picks.count(0) / 4000 - 0.75) < 0.03
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_likeliest():
+    """Probabilities 0.5, 0.25, 0.15, 0.1: min_p 0.4 keeps tokens 0 and 1 (0.25 >= 0.2), renormalised
+    to 2:1; min_p 1 keeps the likeliest alone; the row beside it without min_p keeps all four."""
+    logits = torch.tensor([[0.5, 0.25, 0.15, 0.1]]).log()
+    picks = [sample(logits, [spec(min_p=0.4, step=s)])[0] for s in range(3000)]
+    assert set(picks) == {0, 1} and abs(picks.count(0) / 3000 - 2 / 3) < 0.03
+    assert {sample(logits, [spec(min_p=1.0, step=s)])[0] for s in range(200)} == {0}
+    both = [sample(logits.repeat(2, 1), [spec(min_p=1.0, step=s), spec(step=s)]) for s in range(400)]
+    assert {a for a, _ in both} == {0} and {b for _, b in both} == {0, 1, 2, 3}
+
+
+def test_min_tokens_bans_the_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 1.0, 9.0]])  # token 2 (say eos) is greedy's
+    banned = spec(temperature=0.0, min_tokens=3, stop_ids=(2,))
+    assert [sample(logits, [SamplingSpec(**{**_fields(banned), "step": step})])[0] for step in range(5)] == [1, 1, 1, 2, 2]
+
+
+def test_min_tokens_lets_no_stop_string_end_the_text_before_it(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("A STOP here, STOP there", add_special=False)
+    first_stop = next(i for i in range(1, len(ids) + 1) if "STOP" in tok.decode(ids[:i]))
+    stream = TextStream(tok, stop=("STOP",), min_tokens=first_stop)
+    out = "".join(stream.update(ids[: i + 1]) for i in range(len(ids)))
+    assert stream.stopped and out == "A STOP here, "
+
+
+def _fields(s: SamplingSpec) -> dict:
+    return {name: getattr(s, name) for name in SamplingSpec.__slots__}
+
+
 def test_sampling_params_validation():
-    for bad in [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))]:
+    bad_ones = [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))]
+    bad_ones += [dict(min_p=1.5), dict(min_p=-0.1), dict(max_tokens=4, min_tokens=5), dict(logit_bias=((1, 101.0),))]
+    bad_ones += [dict(logit_bias=((100, 1.0),)), dict(logit_bias=((1, 1.0), (1, 2.0)))]
+    bad_ones += [dict(logit_bias=tuple((i % 100, 0.0) for i in range(301)))]
+    for bad in bad_ones:
         try:
             SamplingParams(**bad).validate(100)
         except ValueError:

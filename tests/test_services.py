@@ -253,6 +253,127 @@ def test_bench_serve_replays_a_trace(cluster, tmp_path):
     assert trace_report["potential_block_hit_rate"] == 3 / 8  # of 2 + 3 + 2 + 1 blocks, the second's first two and the third's first
 
 
+# what the OpenAI API documents that this server does not do (yet), each with a value that asks for
+# it, and the extensions of other servers: each must be refused with a 400 naming it, never ignored
+NOT_IMPLEMENTED = {
+    "completions": {
+        "logprobs": 0, "echo": True, "best_of": 2, "suffix": "end", "presence_penalty": 0.5, "frequency_penalty": 0.5,
+        "repetition_penalty": 1.2, "prompt_logprobs": 1,
+        "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": {}, "response_format": {"type": "json_object"},
+    },
+    "chat": {
+        "logprobs": True, "top_logprobs": 2, "presence_penalty": 1.0, "frequency_penalty": -1.0,
+        "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"},
+        "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
+        "web_search_options": {}, "verbosity": "low", "chat_template_kwargs": {"enable_thinking": False},
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_every_field_not_implemented_is_refused_naming_it_and_neutral_or_ignored_ones_pass(client, kind):
+    """Through the official client (extra_body sends what its signature lacks): a 400 whose param
+    is the field, for each; the neutral values a client library may send, and the fields ignored on
+    purpose (README "OpenAI API parameters"), change nothing."""
+    create = client.completions.create if kind == "completions" else client.chat.completions.create
+    base = {"prompt": "The capital of France is"} if kind == "completions" else {"messages": CHAT}
+    base |= {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    for name, value in NOT_IMPLEMENTED[kind].items():
+        with pytest.raises(openai.BadRequestError) as refused:
+            create(**base, extra_body={name: value})
+        assert refused.value.body["param"] == name and name in refused.value.body["message"], (name, refused.value.body)
+    plain = create(**base)
+    neutral = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "user": "u-1", "metadata": {"run": "1"}}
+    neutral |= {"echo": False, "best_of": 1} if kind == "completions" else {"logprobs": False, "tools": [], "parallel_tool_calls": True}
+    neutral |= {"store": False, "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "s"}
+    same = create(**base, extra_body=neutral)
+    text = (lambda r: r.choices[0].text) if kind == "completions" else (lambda r: r.choices[0].message.content)
+    assert text(same) == text(plain)
+
+
+def test_logit_bias_min_p_and_min_tokens_through_the_openai_client(client, engine, stub):
+    """Against what each must do: a +100 bias makes its token greedy's every time; min_p 1 keeps
+    only the likeliest token, so a hot temperature samples greedy's text; min_tokens holds off the
+    end-of-sequence token greedy would stop at, and the text before it is unchanged."""
+    token = engine.tokenizer.encode(" Paris", add_special=False)[0]
+    base = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    biased = client.completions.create(**base, logit_bias={str(token): 100})
+    assert biased.choices[0].text == engine.tokenizer.decode([token] * 4) and biased.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(**base, logit_bias={"paris": 1})
+    assert bad.value.body["param"] == "logit_bias"
+    sampling = generate_pb2.SamplingParams(max_tokens=4, temperature=0.0, logit_bias={token: 100.0})
+    over_grpc = list(stub[0].Generate(generate_pb2.GenerateRequest(text=base["prompt"], sampling=sampling), metadata=AUTH))
+    assert "".join(r.chunk.text for r in over_grpc[:-1]) == biased.choices[0].text
+    greedy = client.completions.create(**{**base, "max_tokens": 12}).choices[0].text
+    hot = client.completions.create(**{**base, "max_tokens": 12, "temperature": 1.5, "seed": 3}, extra_body={"min_p": 1.0})
+    assert hot.choices[0].text == greedy
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 40, "temperature": 0}
+    short = client.chat.completions.create(**chat)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 20
+    longer = client.chat.completions.create(**chat, extra_body={"min_tokens": 20})
+    assert longer.usage.completion_tokens >= 20 and longer.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
+def _prefix_hits(cluster) -> float:
+    return sum(cluster.metric("prefix_cache_hits_total", worker=w) or 0 for w in ("0", "1"))
+
+
+def test_n_choices_share_one_prefill_and_several_prompts_answer_in_order(client, cluster):
+    """n=3 with a seed: three choices, the same again for the same request, streamed or not; the
+    two copies reuse the first choice's prompt blocks (the prompt is computed once, and counted
+    once in usage). A batch of prompts answers each as a request of its own would, in order."""
+    prompt = "Once upon a time, in a land far away, there lived a " + "very " * 40
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 11, "extra_body": {"ignore_eos": True}}
+    hits = _prefix_hits(cluster)
+    three = client.completions.create(**base, n=3)
+    full_blocks = (three.usage.prompt_tokens - 1) // 16 * 16
+    assert _prefix_hits(cluster) - hits >= 2 * full_blocks > 0
+    assert [c.index for c in three.choices] == [0, 1, 2] and len({c.text for c in three.choices}) > 1
+    single = client.completions.create(**{**base, "max_tokens": 1})
+    assert three.usage.prompt_tokens == single.usage.prompt_tokens and three.usage.completion_tokens == 3 * 8
+    again = client.completions.create(**base, n=3)
+    assert [c.text for c in again.choices] == [c.text for c in three.choices]
+    streamed = {0: "", 1: "", 2: ""}
+    for chunk in client.completions.create(**base, n=3, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in three.choices]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2, temperature=1.0, seed=5)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content for c in chat.choices)
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.text for c in batch.choices] == [text for text in alone for _ in range(2)]
+    assert [c.index for c in batch.choices] == list(range(6))
+
+
+def test_tokenize_detokenize_and_version(cluster, client, engine):
+    """vLLM's shapes: the ids a completion's prompt (or a chat's messages) becomes, and back."""
+    text = "The quick brown fox"
+    status, got = cluster.request("/tokenize", {"model": MODEL, "prompt": text})
+    assert status == 200 and got["tokens"] == engine.tokenizer.encode(text) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 8192
+    status, back = cluster.request("/detokenize", {"tokens": got["tokens"]})
+    assert status == 200 and back["prompt"] == engine.tokenizer.decode(got["tokens"])
+    status, chat = cluster.request("/tokenize", {"messages": CHAT})
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert status == 200 and chat["count"] == reply.usage.prompt_tokens
+    bad = [
+        ("/tokenize", {"prompt": text, "messages": CHAT}, "prompt"),
+        ("/tokenize", {"prompt": text, "truncate": 4}, "truncate"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "12"}, "tokens"),
+    ]
+    for path, body, param in bad:
+        status, error = cluster.request(path, body)
+        assert status == 400 and error["error"]["param"] == param, (body, error)
+    assert cluster.request("/tokenize", {"prompt": text}, key=None)[0] == 401
+    status, version = cluster.request("/version")
+    assert status == 200 and version["version"] == "0.1.0"
+
+
 @pytest.mark.parametrize(("path", "body", "status"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_input_gets_status_and_error_body(cluster, path, body, status):
     got_status, got = cluster.request(path, body)

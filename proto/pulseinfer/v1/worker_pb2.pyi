@@ -7,18 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingSpec(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "step")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "step", "min_p", "min_tokens", "stop_ids", "bias_ids", "bias_values")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     step: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    min_p: float
+    min_tokens: int
+    stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    bias_ids: _containers.RepeatedScalarFieldContainer[int]
+    bias_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Admission(_message.Message):
     __slots__ = ("handle", "seq_id", "start_pos", "length", "sampling", "offloaded", "host_prefix", "stop_token_ids", "ignore_eos")

@@ -287,12 +287,15 @@ class IncrementalDetokenizer:
 
 class TextStream:
     """Incremental detokenization with stop strings: text is emitted only once it can no
-    longer turn out to be the start of a stop string, and ends before the first stop string."""
+    longer turn out to be the start of a stop string, and ends before the first stop string.
+    The text of the first `min_tokens` tokens is never searched (vLLM's min_tokens)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), context_ids: list[int] | None = None):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), context_ids: list[int] | None = None, min_tokens: int = 0):
         self._detok = IncrementalDetokenizer(tokenizer, context_ids)
         self.stops = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
+        self.min_tokens = min_tokens
+        self._searched_from: int | None = 0 if min_tokens == 0 else None  # None: short of min_tokens
         self.emitted = ""
         self.stopped = False
 
@@ -300,9 +303,15 @@ class TextStream:
         """Takes the whole output so far; returns the text it newly releases."""
         if self.stopped:
             return ""
+        if self._searched_from is None:
+            self._detok.add(output_ids[self._detok.num_tokens : self.min_tokens])
+            if self._detok.num_tokens < self.min_tokens:
+                return self._emit(self._detok.text)
+            self._searched_from = len(self._detok.text)
         self._detok.add(output_ids[self._detok.num_tokens :])
         text = self._detok.text
-        hits = [i for s in self.stops if (i := text.find(s, max(0, len(self.emitted) - self._hold))) >= 0]
+        start = max(self._searched_from, len(self.emitted) - self._hold)
+        hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
         if hits:
             self.stopped = True
             return self._emit(text[: min(hits)])
