@@ -210,7 +210,7 @@ def _validated(model: type[_Body], body: dict) -> _Body:
         raise _api_error(e.errors(include_url=False)[0]) from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
-    for name in NEUTRAL.keys() & request.model_fields_set & type(request).model_fields.keys():
+    for name in NEUTRAL.keys() & request.model_fields_set:
         value = getattr(request, name)
         if value is not None and value not in NEUTRAL[name]:
             neutral = " or ".join(json.dumps(v) for v in NEUTRAL[name])
