@@ -3,7 +3,7 @@
 The bodies are pydantic models (strict: JSON true is no number, NaN no float) that forbid any
 field they do not declare, so nothing a client sends is silently ignored: a field is either
 implemented, accepted only at its neutral value (the value that asks for nothing, as a client
-library may send it), accepted and ignored on purpose (IGNORED: it does not change the output),
+library may send it), accepted and ignored on purpose (it does not change the output),
 or refused with a 400 naming it (README "OpenAI API parameters").
 
 Every problem is an ApiError with the HTTP status and an OpenAI-style error body; nothing
@@ -22,8 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pulseinfer.gateway.core import Final, Prompt
 from pulseinfer.scheduler.request import MAX_STOP_STRINGS, SamplingParams
 
-# fields that do not change the output, accepted and ignored on purpose (OpenAI's bookkeeping and routing hints)
-IGNORED = ("user", "service_tier", "metadata", "store", "prompt_cache_key", "safety_identifier")
 # accepted only at the value that asks for nothing: anything else is refused, naming the field
 NEUTRAL = {
     "best_of": (1,),
@@ -90,6 +88,7 @@ class _Request(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # accepted and ignored on purpose: OpenAI's bookkeeping and routing hints, which do not change the output
     user: str | None = None
     service_tier: str | None = None
     metadata: dict[str, str] | None = None
@@ -182,7 +181,7 @@ def parse_completion(body: dict, default_max_tokens: int) -> ParsedRequest:
 
 def parse_chat(body: dict, default_max_tokens: int) -> ParsedRequest:
     request = _validated(ChatRequest, body)
-    turns = [{"role": m.role, "content": _chat_content(m.content, f"messages[{i}].content")} for i, m in enumerate(request.messages)]
+    turns = _turns(request.messages)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     return _parsed(request, (Prompt(chat=turns),), default_max_tokens, max_tokens)
 
@@ -194,7 +193,7 @@ def parse_tokenize(body: dict, render_chat) -> TokenizeText:
         raise ApiError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     if request.prompt is not None:
         return TokenizeText(_text(request.prompt, "prompt"), _or(request.add_special_tokens, True))
-    turns = [{"role": m.role, "content": _chat_content(m.content, f"messages[{i}].content")} for i, m in enumerate(request.messages)]
+    turns = _turns(request.messages)
     return TokenizeText(render_chat(turns, request.add_generation_prompt), _or(request.add_special_tokens, False))
 
 
@@ -279,6 +278,11 @@ def _text(value: str, param: str) -> str:
     except UnicodeEncodeError as e:
         raise ApiError(400, f"'{param}' is not valid Unicode text (character {e.start}: a lone surrogate)", param=param) from None
     return value
+
+
+def _turns(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as the template takes them, each content checked as text."""
+    return [{"role": m.role, "content": _chat_content(m.content, f"messages[{i}].content")} for i, m in enumerate(messages)]
 
 
 def _completion_prompts(prompt: Any) -> tuple[Prompt, ...]:
