@@ -19,8 +19,9 @@ from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gateway.metrics import GatewayMetrics
 from pulseinfer.gateway.session import SchedulerSession, Submitted
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
+from pulseinfer.scheduler.plan import Logprobs
 from pulseinfer.scheduler.request import SamplingParams, check_token_ids
-from pulseinfer.scheduler.wire import params_to_proto
+from pulseinfer.scheduler.wire import logprobs_from_proto, params_to_proto
 
 FINISH_NAMES = {
     generate_pb2.FINISH_REASON_STOP: "stop",
@@ -67,6 +68,8 @@ class Prepared:
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: Logprobs | None = None  # of token_ids, when asked
+    prompt_logprobs: Logprobs | None = None  # the next prompt tokens' (from the second), before any token
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,15 @@ class Final:
     error: str = ""
     timings: generate_pb2.Timings | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+def _joined(messages: list[generate_pb2.ScheduleResponse], field: str) -> Logprobs | None:
+    """The messages' Logprobs in `field`, concatenated (None: none has any)."""
+    joined = generate_pb2.Logprobs()
+    for message in messages:
+        if message.HasField(field):
+            joined.MergeFrom(getattr(message, field))
+    return logprobs_from_proto(joined) if joined.logprobs else None
 
 
 class GatewayCore:
@@ -160,12 +172,15 @@ class GatewayCore:
         last_token_at = None
         while True:
             messages = await submitted.pending()
+            if prompt_logprobs := _joined(messages, "prompt_logprobs"):
+                yield Delta("", [], prompt_logprobs=prompt_logprobs)
             tokens = [t for m in messages for t in m.token_ids]
             if tokens:
                 last_token_at = self._observe_tokens(len(tokens), arrived, last_token_at)
+                logprobs = _joined(messages, "logprobs")
                 tokens, text = self._take(stream, output, tokens)
-                if text or not stream.stopped:
-                    yield Delta(text, tokens)
+                if text or not stream.stopped or logprobs:
+                    yield Delta(text, tokens, logprobs.slice(0, len(tokens)) if logprobs else None)
                 if stream.stopped:
                     yield self._final(request, output, arrived, "stop")
                     return

@@ -9,7 +9,7 @@ import grpc
 from pulseinfer.gateway.core import FINISH_NAMES, Delta, GatewayCore, GenerationError, Prepared, Prompt, key_matches
 from pulseinfer.gateway.openai_api import CHAT_ROLES
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
-from pulseinfer.scheduler.wire import params_from_proto
+from pulseinfer.scheduler.wire import logprobs_to_proto, params_from_proto
 
 FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
@@ -45,6 +45,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             async for event in events:
                 if isinstance(event, Delta):
                     chunk = generate_pb2.GenerateChunk(text=event.text, token_ids=event.token_ids)
+                    for field, logprobs in (("logprobs", event.logprobs), ("prompt_logprobs", event.prompt_logprobs)):
+                        if logprobs is not None:
+                            logprobs_to_proto(logprobs, getattr(chunk, field))
                     yield generate_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
                     continue
                 final = generate_pb2.GenerateFinal(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -20,6 +21,8 @@ from starlette.routing import Route
 from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, Prompt, key_matches
 from pulseinfer.gateway.openai_api import (
     ApiError,
+    ChoiceOutput,
+    LogprobFormat,
     ParsedRequest,
     ResponseShape,
     finish_reason,
@@ -28,7 +31,9 @@ from pulseinfer.gateway.openai_api import (
     parse_completion,
     parse_detokenize,
     parse_tokenize,
+    token_rows,
 )
+from pulseinfer.scheduler.plan import Logprobs
 from pulseinfer.scheduler.request import check_token_ids
 
 MAX_REQUEST_BYTES = 2 << 20  # a prompt filling a 32k context is well under 1 MiB of JSON
@@ -58,6 +63,8 @@ class HttpApi:
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
         self.max_request_bytes = max_request_bytes
+        token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: core.tokenizer.decode([token], skip_special=False))
+        self.logprob_format = LogprobFormat(token_text)
 
     def app(self) -> Starlette:
         routes = [
@@ -166,34 +173,42 @@ class HttpApi:
             self.core.metrics.errors.inc(code=str(e.status))
             return error_response(e)
         shape = ResponseShape(chat, self.core.model_id, choices[0].request_id)
+        view = ChoiceView(self.logprob_format, chat, parsed)
         if parsed.stream:
-            return StreamingResponse(self._sse(shape, choices, parsed.n, parsed.include_usage), media_type="text/event-stream")
-        return await self._until_done_or_disconnect(request, self._collect(shape, choices, parsed.n))
+            return StreamingResponse(self._sse(shape, choices, parsed, view), media_type="text/event-stream")
+        return await self._until_done_or_disconnect(request, self._collect(shape, choices, parsed.n, view))
 
     async def _start(self, parsed: ParsedRequest) -> list[Choice]:
         """Every choice admitted, in index order (n per prompt), or none: the first choice of each
         prompt is admitted first and the others once it has its first token, when its prompt's full
         blocks are in the prefix cache, which they reuse (the prompt is computed once)."""
         prepared = [await self._prepare(prompt, parsed) for prompt in parsed.prompts]
+        echoed = [await self._echoed(prompt, p) if parsed.echo else "" for prompt, p in zip(parsed.prompts, prepared)]
         started: list[Choice] = []
         try:
-            await self._admit(started, [(i * parsed.n, p) for i, p in enumerate(prepared)])
-            copies = [(i * parsed.n + j, self._copy(p, j)) for i, p in enumerate(prepared) for j in range(1, parsed.n)]
+            await self._admit(started, [(i * parsed.n, p, echoed[i]) for i, p in enumerate(prepared)])
+            copies = [(i * parsed.n + j, self._copy(p, j), echoed[i]) for i, p in enumerate(prepared) for j in range(1, parsed.n)]
             await self._admit(started, copies)
         except BaseException:
             await asyncio.gather(*(c.events.aclose() for c in started), return_exceptions=True)
             raise
         return sorted(started, key=lambda c: c.index)
 
-    async def _admit(self, started: list[Choice], requests: list[tuple[int, Prepared]]) -> None:
+    async def _echoed(self, prompt: Prompt, prepared: Prepared) -> str:
+        """The prompt's text, which an echoing completion begins with: as sent, or its tokens' text."""
+        if prompt.text is not None:
+            return prompt.text
+        return await asyncio.to_thread(self.core.tokenizer.decode, list(prepared.prompt_ids))
+
+    async def _admit(self, started: list[Choice], requests: list[tuple[int, Prepared, str]]) -> None:
         """Submits the requests at once; each one whose first event came is appended to `started`."""
 
-        async def admit(index: int, prepared: Prepared) -> None:
+        async def admit(index: int, prepared: Prepared, echoed: str) -> None:
             events = self.core.generate(prepared)
             first = await self._first_event(events)
-            started.append(Choice(index, prepared.request_id, first, events))
+            started.append(Choice(index, prepared.request_id, first, events, prepared.prompt_ids, echoed))
 
-        results = await asyncio.gather(*(admit(i, p) for i, p in requests), return_exceptions=True)
+        results = await asyncio.gather(*(admit(*r) for r in requests), return_exceptions=True)
         if errors := [r for r in results if isinstance(r, BaseException)]:
             raise errors[0]
 
@@ -245,11 +260,20 @@ class HttpApi:
         except GenerationError as e:
             raise generation_error(e) from None
 
-    async def _collect(self, shape: ResponseShape, choices: list[Choice], n: int) -> Response:
-        results = await asyncio.gather(*(_text_of(choice) for choice in choices))  # cancelled: each closes its stream
-        if failed := next((final for _, final in results if final.finish_reason == "error"), None):
+    async def _collect(self, shape: ResponseShape, choices: list[Choice], n: int, view: ChoiceView) -> Response:
+        outputs = await asyncio.gather(*(_output_of(choice) for choice in choices))  # cancelled: each closes its stream
+        if failed := next((out.final for out in outputs if out.final.finish_reason == "error"), None):
             return error_response(ApiError(503, failed.error, code="worker_failed"))
-        return JSONResponse(shape.full([text for text, _ in results], [final for _, final in results], n))
+        outputs = [dataclasses.replace(out, text=choice.echoed + out.text) for choice, out in zip(choices, outputs)]
+        body = shape.full(outputs, n, {c.index: view.logprobs(c, out) for c, out in zip(choices, outputs)})
+        if view.prompt_logprobs:  # vLLM's extension: per choice on completions, per response on chat
+            scored = [view.format.prompt(c.prompt_ids, out.prompt_logprobs or _NONE) for c, out in zip(choices, outputs)]
+            if shape.chat:
+                body["prompt_logprobs"] = scored[0]
+            else:
+                for choice, prompt in zip(body["choices"], scored):
+                    choice["prompt_logprobs"] = prompt
+        return JSONResponse(body)
 
     async def _until_done_or_disconnect(self, request: Request, work) -> Response:
         """A non-streaming request whose client hangs up is aborted, not finished for nobody."""
@@ -262,18 +286,24 @@ class HttpApi:
             return Response(status_code=499)
         return task.result()
 
-    async def _sse(self, shape: ResponseShape, choices: list[Choice], n: int, include_usage: bool):
+    async def _sse(self, shape: ResponseShape, choices: list[Choice], parsed: ParsedRequest, view: ChoiceView):
         # a client that disconnects closes this generator, which closes every stream (core.generate aborts its request)
         text_lines = {choice.index: _text_line_template(shape, choice.index) for choice in choices}
+        streams = {choice.index: view.stream(choice) for choice in choices}
         finals: dict[int, Final] = {}
         merged = _merged(choices)
         try:
-            if shape.chat:
-                for choice in choices:
+            for choice in choices:
+                if shape.chat:
                     yield _sse_line(shape.chunk("", role=True, index=choice.index))
+                elif choice.echoed:
+                    yield _sse_line(shape.chunk(choice.echoed, index=choice.index, logprobs=streams[choice.index].echo()))
             async for index, event in merged:
                 if isinstance(event, Delta):
-                    if event.text:
+                    if view.reports:
+                        if (logprobs := streams[index].delta(event)) is not None or event.text:
+                            yield _sse_line(shape.chunk(event.text, index=index, logprobs=logprobs))
+                    elif event.text:
                         yield text_lines[index](event.text)
                 elif event.finish_reason == "error":
                     yield _sse_line(ApiError(503, event.error, code="worker_failed").body())
@@ -283,8 +313,8 @@ class HttpApi:
                     yield _sse_line(shape.chunk(None if shape.chat else "", reason=finish_reason(event), index=index))
         finally:
             await merged.aclose()  # now, not when collected: every stream still open is aborted
-        if include_usage and len(finals) == len(choices):
-            yield _sse_line(shape.usage_chunk([finals[c.index] for c in choices], n))
+        if parsed.include_usage and len(finals) == len(choices):
+            yield _sse_line(shape.usage_chunk([finals[c.index] for c in choices], parsed.n))
         yield "data: [DONE]\n\n"
 
 
@@ -296,6 +326,74 @@ class Choice:
     request_id: str
     first: Delta | Final
     events: AsyncIterator[Delta | Final]
+    prompt_ids: tuple[int, ...]
+    echoed: str  # the text an echoing completion begins with ("" without echo)
+
+
+_NONE = Logprobs([], [], 0, [], [])
+
+
+class ChoiceView:
+    """What of a choice's tokens' log-probabilities a request shows, and in which shape."""
+
+    def __init__(self, format: LogprobFormat, chat: bool, parsed: ParsedRequest):
+        self.format = format
+        self.chat = chat
+        self.echo = parsed.echo
+        self.token_logprobs = parsed.params.logprobs is not None
+        self.prompt_logprobs = parsed.params.prompt_logprobs is not None
+        self.reports = self.token_logprobs  # streamed chunks carry logprobs
+
+    def logprobs(self, choice: Choice, out: ChoiceOutput) -> dict | None:
+        """A whole choice's logprobs object (None when not asked): an echoing completion's begin with its prompt's."""
+        if not self.token_logprobs:
+            return None
+        rows = token_rows(out.logprobs, len(out.token_ids))
+        if self.chat:
+            return self.format.chat(out.token_ids, rows)
+        if not self.echo:
+            return self.format.completion(out.token_ids, rows, 0)
+        prompt = [None] + token_rows(out.prompt_logprobs or _NONE, 0)
+        return self.format.completion([*choice.prompt_ids, *out.token_ids], prompt + rows, 0)
+
+    def stream(self, choice: Choice) -> StreamedLogprobs:
+        return StreamedLogprobs(self, choice)
+
+
+class StreamedLogprobs:
+    """One streamed choice's logprobs, chunk by chunk: a completion's text offsets run on across
+    chunks, and an echoing one's prompt tokens come first (its first token's logprob null)."""
+
+    def __init__(self, view: ChoiceView, choice: Choice):
+        self.view = view
+        self.choice = choice
+        self.offset = 0
+        self.prompt_done = 0  # prompt tokens whose logprobs were streamed
+
+    def echo(self) -> dict | None:
+        """The echoed prompt's first token, whose logprob is null (the others follow as they are scored)."""
+        if not self.view.token_logprobs:
+            return None
+        return self._completion(list(self.choice.prompt_ids[:1]), [None])
+
+    def delta(self, event: Delta) -> dict | None:
+        if not self.view.token_logprobs:
+            return None
+        if event.prompt_logprobs is not None:
+            if not self.view.echo or self.view.chat:
+                return None
+            start = 1 + self.prompt_done
+            self.prompt_done += len(event.prompt_logprobs)
+            return self._completion(list(self.choice.prompt_ids[start : 1 + self.prompt_done]), event.prompt_logprobs.rows())
+        if not event.token_ids:
+            return None
+        rows = token_rows(event.logprobs, len(event.token_ids))
+        return self.view.format.chat(event.token_ids, rows) if self.view.chat else self._completion(event.token_ids, rows)
+
+    def _completion(self, ids: list[int], rows: list) -> dict:
+        body = self.view.format.completion(ids, rows, self.offset)
+        self.offset += sum(len(t) for t in body["tokens"])
+        return body
 
 
 async def _events_of(choice: Choice) -> AsyncIterator[Delta | Final]:
@@ -310,13 +408,16 @@ async def _events_of(choice: Choice) -> AsyncIterator[Delta | Final]:
         await choice.events.aclose()
 
 
-async def _text_of(choice: Choice) -> tuple[str, Final]:
-    text = []
+async def _output_of(choice: Choice) -> ChoiceOutput:
+    text, token_ids, logprobs, prompt_logprobs = [], [], [], []
     async with aclosing(_events_of(choice)) as events:
         async for event in events:
             if isinstance(event, Delta):
                 text.append(event.text)
-    return "".join(text), event
+                token_ids += event.token_ids
+                logprobs += [event.logprobs] if event.logprobs is not None else []
+                prompt_logprobs += [event.prompt_logprobs] if event.prompt_logprobs is not None else []
+    return ChoiceOutput("".join(text), token_ids, Logprobs.concat(logprobs), Logprobs.concat(prompt_logprobs), event)
 
 
 async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[int, Delta | Final]]:

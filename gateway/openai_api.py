@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pulseinfer.gateway.core import Final, Prompt
+from pulseinfer.scheduler.plan import Logprobs
 from pulseinfer.scheduler.request import MAX_STOP_STRINGS, SamplingParams
 
 # accepted only at the value that asks for nothing: anything else is refused, naming the field
@@ -27,10 +29,7 @@ NEUTRAL = {
     "best_of": (1,),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
-    "echo": (False,),
     "suffix": ("",),
-    "logprobs": (False,),  # chat's boolean; a completion's count is refused whatever it is (0 asks for the sampled token's)
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),  # says nothing without tools
@@ -88,6 +87,7 @@ class _Request(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob, with this many alternatives
     # accepted and ignored on purpose: OpenAI's bookkeeping and routing hints, which do not change the output
     user: str | None = None
     service_tier: str | None = None
@@ -149,6 +149,7 @@ class ParsedRequest:
     prompts: tuple[Prompt, ...]  # a completion's batch of prompts; a chat's one
     n: int  # choices per prompt
     params: SamplingParams
+    echo: bool  # a completion's text (and logprobs) begin with its prompt's
     max_tokens_given: bool
     stream: bool
     include_usage: bool
@@ -173,17 +174,23 @@ def parse_body(raw: bytes) -> dict:
 
 
 def parse_completion(body: dict, default_max_tokens: int) -> ParsedRequest:
+    """`echo` with `logprobs` scores the prompt too (its first token has none), as OpenAI's legacy API does."""
     request = _validated(CompletionRequest, body)
-    if request.logprobs is not None:
-        raise ApiError(400, "'logprobs' is not supported by this server", param="logprobs")
-    return _parsed(request, _completion_prompts(request.prompt), default_max_tokens, request.max_tokens)
+    echo = _or(request.echo, False)
+    prompt_logprobs = request.logprobs if echo and request.logprobs is not None else request.prompt_logprobs
+    return _parsed(
+        request, _completion_prompts(request.prompt), default_max_tokens, request.max_tokens, request.logprobs, prompt_logprobs, echo
+    )
 
 
 def parse_chat(body: dict, default_max_tokens: int) -> ParsedRequest:
     request = _validated(ChatRequest, body)
     turns = _turns(request.messages)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    return _parsed(request, (Prompt(chat=turns),), default_max_tokens, max_tokens)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    logprobs = _or(request.top_logprobs, 0) if request.logprobs else None
+    return _parsed(request, (Prompt(chat=turns),), default_max_tokens, max_tokens, logprobs, request.prompt_logprobs)
 
 
 def parse_tokenize(body: dict, render_chat) -> TokenizeText:
@@ -227,7 +234,15 @@ def _api_error(error: dict) -> ApiError:
     return ApiError(400, f"'{param}': {error['msg']}", param=param)
 
 
-def _parsed(request: _Request, prompts: tuple[Prompt, ...], default_max_tokens: int, max_tokens: int | None) -> ParsedRequest:
+def _parsed(
+    request: _Request,
+    prompts: tuple[Prompt, ...],
+    default_max_tokens: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    echo: bool = False,
+) -> ParsedRequest:
     n = _or(request.n, 1)
     if not 1 <= n <= MAX_CHOICES // len(prompts):
         raise ApiError(400, f"'n' must be in [1, {MAX_CHOICES // len(prompts)}]: at most {MAX_CHOICES} choices a request", param="n")
@@ -243,12 +258,20 @@ def _parsed(request: _Request, prompts: tuple[Prompt, ...], default_max_tokens: 
         min_p=_or(request.min_p, 0.0),
         min_tokens=_or(request.min_tokens, 0),
         logit_bias=_logit_bias(request.logit_bias or {}),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     stream = _or(request.stream, False)
+    if stream and request.prompt_logprobs is not None:
+        raise ApiError(
+            400,
+            "'prompt_logprobs' is returned in non-streamed responses only (a streamed completion has them with echo)",
+            param="prompt_logprobs",
+        )
     if request.stream_options is not None and not stream:
         raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
     include_usage = request.stream_options is not None and _or(request.stream_options.include_usage, False)
-    return ParsedRequest(prompts, n, params, max_tokens is not None, stream, include_usage)
+    return ParsedRequest(prompts, n, params, echo, max_tokens is not None, stream, include_usage)
 
 
 def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
@@ -314,6 +337,71 @@ def _chat_content(content: Any, param: str) -> str:
 
 # ---------------------------------------------------------------- responses
 
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token the sampler could not pick (banned by min_tokens) reports this, as vLLM's does
+TokenRow = tuple[float, int, list[tuple[int, float]]] | None  # Logprobs.rows() of a token; None: it has none (a prompt's first)
+
+
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """What one choice produced, for the non-streamed response."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: Logprobs | None
+    prompt_logprobs: Logprobs | None
+    final: Final
+
+
+class LogprobFormat:
+    """Token log-probabilities in the three shapes clients read: the legacy completions object
+    (tokens, token_logprobs, top_logprobs, text_offset), chat's content list, and vLLM's prompt_logprobs.
+    A top list holds the token's own entry as well as its alternatives (as vLLM's and OpenAI's do)."""
+
+    def __init__(self, token_text: Callable[[int], str]):
+        self.text = token_text  # one token's text (special tokens shown)
+
+    def completion(self, ids: list[int], rows: list[TokenRow], offset: int) -> dict:
+        """`offset`: where the first token's text starts in the choice's text."""
+        texts = [self.text(t) for t in ids]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [None if row is None else _floor(row[0]) for row in rows],
+            "top_logprobs": [
+                None if row is None else {self.text(t): _floor(lp) for t, lp in [(i, row[0]), *row[2]]} for i, row in zip(ids, rows)
+            ],
+            "text_offset": offsets,
+        }
+
+    def chat(self, ids: list[int], rows: list[TokenRow]) -> dict:
+        return {
+            "content": [{**self._entry(i, row[0]), "top_logprobs": [self._entry(t, lp) for t, lp in row[2]]} for i, row in zip(ids, rows)]
+        }
+
+    def prompt(self, ids: tuple[int, ...], logprobs: Logprobs) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
+        out: list = [None]
+        for token, (lp, rank, top) in zip(ids[1:], logprobs.rows()):
+            entries = {str(t): {"logprob": _floor(v), "rank": r, "decoded_token": self.text(t)} for r, (t, v) in enumerate(top, 1)}
+            entries[str(token)] = {"logprob": _floor(lp), "rank": rank, "decoded_token": self.text(token)}
+            out.append(entries)
+        return out
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.text(token)
+        return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def _floor(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def token_rows(logprobs: Logprobs | None, count: int) -> list[TokenRow]:
+    return logprobs.rows() if logprobs is not None else [None] * count
+
 
 def usage(finals: list[Final], n: int) -> dict:
     """The choices' usage, in choice order (n per prompt): each prompt counts once, as its first
@@ -348,21 +436,22 @@ class ResponseShape:
             body["usage"] = usage_body
         return body
 
-    def full(self, texts: list[str], finals: list[Final], n: int) -> dict:
-        """Every choice, in index order."""
-        choices = [self._choice(i, text, final) for i, (text, final) in enumerate(zip(texts, finals))]
-        return self._object("chat.completion" if self.chat else "text_completion", choices, usage(finals, n))
+    def full(self, outputs: list[ChoiceOutput], n: int, logprobs: dict | None = None) -> dict:
+        """Every choice, in index order; `logprobs`: each choice's logprobs object, by index."""
+        choices = [self._choice(i, out, (logprobs or {}).get(i)) for i, out in enumerate(outputs)]
+        return self._object("chat.completion" if self.chat else "text_completion", choices, usage([o.final for o in outputs], n))
 
-    def _choice(self, index: int, text: str, final: Final) -> dict:
-        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason(final)}
+    def _choice(self, index: int, out: ChoiceOutput, logprobs: dict | None) -> dict:
+        content = {"message": {"role": "assistant", "content": out.text}} if self.chat else {"text": out.text}
+        return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason(out.final)}
 
-    def chunk(self, text: str | None, reason: str | None = None, role: bool = False, index: int = 0) -> dict:
+    def chunk(self, text: str | None, reason: str | None = None, role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return self._object("chat.completion.chunk", [choice], None)
-        return self._object("text_completion", [{"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}], None)
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        return self._object("text_completion", [choice], None)
 
     def usage_chunk(self, finals: list[Final], n: int) -> dict:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage(finals, n))

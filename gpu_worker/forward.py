@@ -53,12 +53,18 @@ def cohort_of(
 @torch.inference_mode()
 def forward(model: DecoderModel, batch: ForwardBatch, attention: StepAttention) -> torch.Tensor:
     """Runs every token of the batch; returns fp32 logits of the sampled positions [S, vocab]."""
+    return model.logits(forward_hidden(model, batch, attention)[batch.sample_index])
+
+
+@torch.inference_mode()
+def forward_hidden(model: DecoderModel, batch: ForwardBatch, attention: StepAttention) -> torch.Tensor:
+    """Runs every token of the batch; returns their hidden states after the last layer [T, hidden]."""
     hidden = model.embed(batch.input_ids)
     cohorts = [Cohort(torch.arange(len(hidden), device=hidden.device), 0, hidden, batch, attention)]
     while cohorts:
         tokens, final = run_cohort(model, cohorts.pop(0), cohorts.append)
         hidden[tokens] = final
-    return model.logits(hidden[batch.sample_index])
+    return hidden
 
 
 def run_cohort(model: DecoderModel, cohort: Cohort, suspend: Callable[[Cohort], None]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pulseinfer.kv_store.prefix_cache import promotion_owner
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.scheduler.plan import BlockNames, Chunk, SamplingSpec, StepOutcome, StepPlan
-from pulseinfer.scheduler.wire import sampling_from_proto
+from pulseinfer.scheduler.wire import logprobs_to_proto, sampling_from_proto
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Running:
     fed: int  # positions that have been run (or run in the step being built)
     table: tuple[int, ...] = ()
     ended: bool = False  # it sampled a stop token, or this worker failed it: later chunks of it are dropped
+    prompt_top: int = -1  # its prefill chunks score their tokens, with this many alternatives; -1: they do not
 
 
 @dataclass
@@ -74,9 +75,10 @@ class RequestTable:
             self.running[admission.handle] = self._admit(admission)
         self._grant(plan.grant_handles, plan.grant_blocks)
         staged = Staged(plan.step_id, list(plan.decode), tuple(released))
+        score_next = dict(zip(plan.score_handles, plan.score_next))
         offset = 0
         for handle, count in zip(plan.prefill_handles, plan.prefill_lengths):
-            chunk = self._prefill(handle, list(plan.prefill_tokens[offset : offset + count]), staged)
+            chunk = self._prefill(handle, list(plan.prefill_tokens[offset : offset + count]), staged, score_next.get(handle, -1))
             offset += count
             if chunk is not None:
                 staged.prefill.append(chunk)
@@ -116,6 +118,16 @@ class RequestTable:
                 entry.ended = True
         return handles, tokens, failed
 
+    def report_logprobs(self, outcome: StepOutcome, result: worker_pb2.StepResult) -> None:
+        """The step's log-probabilities (of sampled tokens, of prompt tokens) into its result, by handle."""
+        for sampled in outcome.tokens:
+            if sampled.logprobs is not None:
+                result.logprob_handles.append(self._step_handles[sampled.seq_id])
+                logprobs_to_proto(sampled.logprobs, result.logprobs.add())
+        for seq_id, logprobs in outcome.prompt_logprobs.items():
+            result.prompt_handles.append(self._step_handles[seq_id])
+            logprobs_to_proto(logprobs, result.prompt_logprobs.add())
+
     def fail_step(self) -> None:
         """The whole step failed: its requests are ended here (the scheduler fails them)."""
         for handle in self._step_handles.values():
@@ -138,8 +150,20 @@ class RequestTable:
         if self.eos_id is not None and not a.ignore_eos:
             stops.add(self.eos_id)
         sampling = sampling_from_proto(a.sampling)
-        start = a.start_pos
-        return Running(a.seq_id, start, a.length, sampling, a.offloaded, tuple(a.host_prefix), frozenset(stops), start, -1, start)
+        start, prompt_top = a.start_pos, a.prompt_top if a.score_prompt else -1
+        return Running(
+            a.seq_id,
+            start,
+            a.length,
+            sampling,
+            a.offloaded,
+            tuple(a.host_prefix),
+            frozenset(stops),
+            start,
+            -1,
+            start,
+            prompt_top=prompt_top,
+        )
 
     def _grant(self, handles, blocks) -> None:
         grants: dict[int, list[int]] = {}
@@ -165,23 +189,31 @@ class RequestTable:
         staged.handles[entry.seq_id] = handle
         return Chunk(entry.seq_id, (entry.last,), entry.fed - 1, entry.table, entry.sampling, entry.offloaded)
 
-    def _prefill(self, handle: int, tokens: list[int], staged: Staged) -> Chunk | None:
+    def _prefill(self, handle: int, tokens: list[int], staged: Staged, score_next: int) -> Chunk | None:
+        """`score_next`: the token after the chunk, for a request that scores its prompt (-1: not sent)."""
         entry = self.running.get(handle)
         if entry is None:
             staged.failed[handle] = f"admission {handle} is not running on this worker"
             return None
         start, end = entry.fed, entry.fed + len(tokens)
+        sampling = entry.sampling if end == entry.length else None
+        problem = None
         if not tokens or end > entry.length:
-            have = entry.length
-            staged.failed[handle] = f"request {entry.seq_id}: a prefill chunk of {len(tokens)} tokens to position {end} (it has {have})"
+            problem = f"a prefill chunk of {len(tokens)} tokens to position {end} (it has {entry.length})"
+        elif entry.prompt_top >= 0 and sampling is None and score_next < 0:
+            problem = f"a prefill chunk to position {end} without the token after it, which its prompt scoring needs"
+        if problem is not None:
+            staged.failed[handle] = f"request {entry.seq_id}: {problem}"
             entry.ended = True
             return None
         entry.known = entry.fed = end
         entry.last = tokens[-1]
         staged.handles[entry.seq_id] = handle
-        sampling = entry.sampling if end == entry.length else None
         host_prefix = entry.host_prefix if start == entry.base else ()
-        return Chunk(entry.seq_id, tuple(tokens), start, entry.table, sampling, entry.offloaded, host_prefix)
+        return Chunk(
+            entry.seq_id, tuple(tokens), start, entry.table, sampling, entry.offloaded, host_prefix,
+            prompt_top=entry.prompt_top, score_next=score_next,
+        )  # fmt: skip
 
     def _names(self, handles, blocks, names) -> tuple[BlockNames, ...]:
         out: list[BlockNames] = []

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pulseinfer.common.syncs import to_device, to_host
 from pulseinfer.gpu_worker.attention import attention_backend
 from pulseinfer.gpu_worker.attention.window import WindowCache
 from pulseinfer.gpu_worker.batch import build_batch
-from pulseinfer.gpu_worker.forward import forward
+from pulseinfer.gpu_worker.forward import forward_hidden
 from pulseinfer.gpu_worker.hierarchy import KVHierarchy
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
@@ -20,10 +21,10 @@ from pulseinfer.gpu_worker.model.decoder import Decoder
 from pulseinfer.gpu_worker.model.loader import LoadedModel
 from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
-from pulseinfer.gpu_worker.sampler import sample
+from pulseinfer.gpu_worker.sampler import logprobs_of, sample_with_logprobs, score
 from pulseinfer.gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
 from pulseinfer.kv_store.client import KVStoreUnavailable
-from pulseinfer.scheduler.plan import Chunk, RecallStats, SampledToken, StepOutcome, StepPlan
+from pulseinfer.scheduler.plan import Chunk, Logprobs, RecallStats, SampledToken, StepOutcome, StepPlan
 
 log = logging.getLogger("gpu_worker")
 
@@ -231,22 +232,42 @@ class ModelRunner:
         batch = build_batch(plan, self.cache.spec.block_size, self.device)
         attention = self.attention.begin(plan, batch)
         try:
-            logits = forward(self.model, batch, attention)
+            hidden = forward_hidden(self.model, batch, attention)
         finally:
             attention.finish()
+        logits = self.model.logits(hidden[batch.sample_index])
         sampled = [c for c in plan.chunks if c.sampling is not None]
-        picked = pick(logits, sampled) if pick is not None else sample(logits, [c.sampling for c in sampled])
+        if pick is not None:
+            picked, logprobs = pick(logits, sampled), [None] * len(sampled)
+        else:
+            picked, logprobs = sample_with_logprobs(logits, [c.sampling for c in sampled])
+        prompt_logprobs = self._score_prompts(plan.chunks, batch.chunk_starts, hidden)
         if self.offload is not None:  # after sampling, whose read has drained the stream that naming waits for
             self.offload.name_blocks(plan.names)
         tokens = []
-        for chunk, token in zip(sampled, picked):
+        for chunk, token, token_logprobs in zip(sampled, picked, logprobs):
             if isinstance(token, str):  # a row that could not be sampled fails its own request, not the step
                 failed[chunk.seq_id] = token
             else:
-                tokens.append(SampledToken(chunk.seq_id, token))
+                tokens.append(SampledToken(chunk.seq_id, token, token_logprobs))
         recall = self._recalled() - recalled
         compute_s = time.perf_counter() - started - recall.wait_s
-        return StepOutcome(tokens, failed, recall, compute_s)
+        return StepOutcome(tokens, failed, recall, compute_s, prompt_logprobs=prompt_logprobs)
+
+    def _score_prompts(self, chunks: Sequence[Chunk], starts: dict[str, int], hidden: torch.Tensor) -> dict[str, Logprobs]:
+        """The prompt tokens each scoring chunk's rows predict (the chunk's tokens after its first, then
+        the token after it unless it samples), their logprobs read in one transfer."""
+        scored = [c for c in chunks if c.prompt_top >= 0]
+        if not scored:
+            return {}
+        columns = []
+        for chunk in scored:
+            targets = list(chunk.token_ids[1:]) + ([chunk.score_next] if chunk.sampling is None else [])
+            start = starts[chunk.seq_id]
+            rows, targets = to_device([torch.arange(start, start + len(targets)), torch.tensor(targets, dtype=torch.long)], self.device)
+            columns += score(self.model.logits, hidden[rows], targets, chunk.prompt_top)
+        read = to_host(columns)
+        return {c.seq_id: logprobs_of(read[4 * i : 4 * i + 4], c.prompt_top) for i, c in enumerate(scored)}
 
     def _recalled(self) -> RecallStats:
         return self.offload.recall if self.offload is not None else RecallStats()

@@ -1,14 +1,21 @@
 """Token selection: greedy, or temperature / min-p / top-k / top-p (vLLM's order) with a per-token
-seeded generator, after each row's logit_bias and, before its min_tokens, its stop tokens banned."""
+seeded generator, after each row's logit_bias and, before its min_tokens, its stop tokens banned.
+
+Log-probabilities: a sampled token's are of the logits the sampler drew from after logit_bias, the
+min_tokens bans and temperature (a greedy row's unscaled), before min-p, top-k and top-p; a prompt
+token's are of the model's raw logits (no sampling parameter applies to a prompt). vLLM V0's choice,
+and the one under which a temperature-0 request's logprobs are the model's log-softmax.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from pulseinfer.common.syncs import to_device, to_host
-from pulseinfer.scheduler.plan import SamplingSpec
+from pulseinfer.scheduler.plan import Logprobs, SamplingSpec
 
 _SEED_STRIDE = 1_000_003  # distinct generator seeds per (request seed, token index)
 # Below this a temperature is greedy: dividing by it only overflows, and the distribution it
@@ -20,19 +27,39 @@ _MAX_TEMPERATURE = torch.finfo(torch.float32).max
 UNSAMPLEABLE = "the model's logits for this token have no finite maximum (NaN or inf), so no token can be chosen"
 
 
+# prompt rows scored at once: their float32 logits (rows x vocab, 150 MB for Qwen3's) are the working memory
+SCORE_ROWS = 256
+LogprobColumns = list[torch.Tensor]  # [N] chosen log-probabilities, [N] ranks, [N, top] likeliest values, [N, top] their ids
+
+
 def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int | str]:
+    """A token per row (sample_with_logprobs without the log-probabilities)."""
+    return sample_with_logprobs(logits, specs)[0]
+
+
+def sample_with_logprobs(logits: torch.Tensor, specs: list[SamplingSpec]) -> tuple[list[int | str], list[Logprobs | None]]:
     """A token per row, or, for a row that cannot be sampled (a broken model row), an error that
-    fails only that row's request. The device is read once: every row's greedy token and finite
-    check, and the distributions of the rows that sample, in one transfer."""
+    fails only that row's request; and the token's log-probabilities for the rows that asked. The
+    device is read once: every row's greedy token and finite check, the distributions of the rows
+    that sample, and the log-probabilities, in one transfer."""
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(specs)} sampling specs")
     logits = _biased(logits, specs)
     sampled = [i for i, spec in enumerate(specs) if spec.temperature >= _SAMPLING_EPS]
+    reported = [i for i, spec in enumerate(specs) if spec.logprobs]
+    argmax = logits.argmax(dim=-1)
     # amax propagates NaN, so this one check catches NaN, all -inf and +inf rows (whose distributions go unused)
-    greedy, finite, *probs = to_host(
-        [logits.argmax(dim=-1), torch.isfinite(logits.amax(dim=-1))] + [_probs(logits[i], specs[i]) for i in sampled]
-    )
-    distributions = dict(zip(sampled, probs))
+    reads = [argmax, torch.isfinite(logits.amax(dim=-1))] + [_probs(logits[i], specs[i]) for i in sampled]
+    report = _report_reads(logits, argmax, specs, reported, set(sampled)) if reported else []
+    greedy, finite, *rest = to_host(reads + report)
+    probs, report = rest[: len(sampled)], rest[len(sampled) :]
+    tokens = _tokens(specs, greedy, finite, dict(zip(sampled, probs)))
+    return tokens, _reported(specs, tokens, reported, set(sampled), report)
+
+
+def _tokens(
+    specs: list[SamplingSpec], greedy: torch.Tensor, finite: torch.Tensor, distributions: dict[int, torch.Tensor]
+) -> list[int | str]:
     tokens: list[int | str] = []
     for i, (spec, token, ok) in enumerate(zip(specs, greedy.tolist(), finite.tolist())):
         if not ok:
@@ -43,6 +70,61 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int | str]:
         else:
             tokens.append(token)
     return tokens
+
+
+def _report_reads(
+    logits: torch.Tensor, argmax: torch.Tensor, specs: list[SamplingSpec], reported: list[int], sampled: set[int]
+) -> list[torch.Tensor]:
+    """What the host reads to report the rows' log-probabilities: the greedy token's columns (a
+    sampled row's token is drawn on the host, after the read: its whole row is read instead)."""
+    top = max(specs[i].top_logprobs for i in reported)
+    temperatures = [min(specs[i].temperature, _MAX_TEMPERATURE) if i in sampled else 1.0 for i in reported]
+    rows, scale = to_device([torch.tensor(reported), torch.tensor(temperatures, dtype=torch.float32)], logits.device)
+    logprobs = torch.log_softmax(logits[rows].float() / scale[:, None], dim=-1)
+    drawn = [j for j, i in enumerate(reported) if i in sampled]
+    return _columns(logprobs, argmax[rows], top) + ([logprobs[drawn]] if drawn else [])
+
+
+def _reported(
+    specs: list[SamplingSpec], tokens: list[int | str], reported: list[int], sampled: set[int], reads: list[torch.Tensor]
+) -> list[Logprobs | None]:
+    """Each reported row's Logprobs of its token (None for the other rows, and an unsampleable one)."""
+    out: list[Logprobs | None] = [None] * len(specs)
+    if not reported:
+        return out
+    chosen, ranks, values, ids, *drawn_rows = reads
+    drawn = iter(drawn_rows[0] if drawn_rows else ())
+    for j, i in enumerate(reported):
+        row = next(drawn) if i in sampled else None
+        if isinstance(tokens[i], str):
+            continue
+        logprob, rank = (float(chosen[j]), int(ranks[j])) if row is None else (float(row[tokens[i]]), int((row > row[tokens[i]]).sum()) + 1)
+        k = specs[i].top_logprobs
+        out[i] = Logprobs([logprob], [rank], k, ids[j, :k].tolist(), values[j, :k].tolist())
+    return out
+
+
+def score(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, top: int) -> LogprobColumns:
+    """Each hidden row's log-probability of its target token under the model's raw logits, its rank
+    and its `top` likeliest tokens (on the device, SCORE_ROWS rows at a time)."""
+    parts = [
+        _columns(torch.log_softmax(logits_of(hidden[i : i + SCORE_ROWS]).float(), dim=-1), targets[i : i + SCORE_ROWS], top)
+        for i in range(0, len(hidden), SCORE_ROWS)
+    ]
+    return [torch.cat(column) for column in zip(*parts)]
+
+
+def _columns(logprobs: torch.Tensor, targets: torch.Tensor, top: int) -> LogprobColumns:
+    chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    values, ids = logprobs.topk(top, dim=-1)
+    return [chosen, ranks, values, ids]
+
+
+def logprobs_of(columns: LogprobColumns, top: int) -> Logprobs:
+    """Columns read to the host as Logprobs."""
+    chosen, ranks, values, ids = columns
+    return Logprobs(chosen.tolist(), ranks.tolist(), top, ids.flatten().tolist(), values.flatten().tolist())
 
 
 def _biased(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:

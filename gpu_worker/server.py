@@ -188,6 +188,7 @@ class Worker:
         handles, tokens, failed = self.table.record(outcome)
         result.handles[:] = handles
         result.token_ids[:] = tokens
+        self.table.report_logprobs(outcome, result)
         result.forward_s = ended - started
         result.compute_s = outcome.compute_s
         result.tier_copy_s = outcome.tier_copy_s

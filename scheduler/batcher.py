@@ -290,7 +290,7 @@ class Batcher:
         sampling = first.sampling or seq.sampling_spec(self.limits.eos_id)
         return Admission(
             seq.handle, seq.seq_id, first.start_pos, seq.num_known, sampling, seq.offloaded, first.host_prefix,
-            p.stop_token_ids, p.ignore_eos,
+            p.stop_token_ids, p.ignore_eos, first.prompt_top,
         )  # fmt: skip
 
     def _prefill_chunk(self, seq: Sequence, budget: int, host_prefix: tuple[int, ...] = ()) -> Chunk | None:
@@ -317,6 +317,9 @@ class Batcher:
             fed_back,
             seq.known_blocks,
         )
+        if seq.scores_prompt and not fed_back:  # every row scored against the token after it (the last one samples)
+            chunk.prompt_top = seq.params.prompt_logprobs
+            chunk.score_next = -1 if sampled else seq.ids(end, end + 1)[0]
         seq.known_blocks = len(chunk.block_table)
         seq.num_cached = end
         seq.num_pending += sampled
@@ -362,7 +365,10 @@ class Batcher:
 
     def _reusable_names(self, seq: Sequence) -> tuple[bytes, ...]:
         """Names of the full blocks a placement may reuse: all but the last token's (its logits
-        sample the first output token, so it is always computed)."""
+        sample the first output token, so it is always computed); none while it scores its prompt
+        (every prompt row's logits are taken: the prompt is computed whole)."""
+        if seq.scores_prompt:
+            return ()
         return self._names(seq, (seq.length - 1) // self.limits.block_size)
 
     def _reuse_prefix(self, seq: Sequence, budget: int) -> tuple[int, ...]:

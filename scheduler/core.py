@@ -20,9 +20,16 @@ from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator
 from pulseinfer.kv_store.prefix_cache import HostPrefix
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from pulseinfer.scheduler.plan import RecallStats, StepPlan
+from pulseinfer.scheduler.plan import Logprobs, RecallStats, StepPlan
 from pulseinfer.scheduler.request import FinishReason, Sequence
-from pulseinfer.scheduler.wire import params_from_proto, plan_to_proto, recall_from_proto, tokens_from_result
+from pulseinfer.scheduler.wire import (
+    logprobs_to_proto,
+    params_from_proto,
+    plan_to_proto,
+    prompt_logprobs_from_result,
+    recall_from_proto,
+    tokens_from_result,
+)
 
 Sink = Callable[[generate_pb2.ScheduleResponse], None]
 HostPrefixOf = Callable[[int], HostPrefix]  # a worker's view of the host tier's prefix cache, by worker id
@@ -263,15 +270,30 @@ class SchedulerCore:
         finished = {seq.seq_id for seq in worker.batcher.commit(plan, sampled)}
         for failure in result.failed:
             self._fail(worker, failure.handle, seq_ids.get(failure.handle), f"worker {worker.worker_id}: {failure.error}")
+        if result.prompt_handles:
+            self._report_prompt_logprobs(plan, prompt_logprobs_from_result(seq_ids, result))
         now = self.clock()
         for token in sampled:
             state = self.requests.get(token.seq_id)
             if state is None:
                 continue
             state.first_token_at = state.first_token_at or now
-            state.sink(generate_pb2.ScheduleResponse(token_ids=[token.token_id]))
+            message = generate_pb2.ScheduleResponse(token_ids=[token.token_id])
+            if token.logprobs is not None:
+                logprobs_to_proto(token.logprobs, message.logprobs)
+            state.sink(message)
             if token.seq_id in finished:
                 self._finish(state, state.seq.finish_reason, "")
+
+    def _report_prompt_logprobs(self, plan: StepPlan, scored: dict[str, Logprobs]) -> None:
+        """The prompt logprobs the step's chunks scored, each prompt position reported once (a
+        request preempted while in prefill scores its prompt again), before any token of it."""
+        for chunk in plan.chunks:
+            state = self.requests.get(chunk.seq_id)
+            if chunk.seq_id in scored and state is not None:
+                new = state.seq.take_prompt_logprobs(chunk.start_pos, scored[chunk.seq_id])
+                if len(new):
+                    state.sink(generate_pb2.ScheduleResponse(prompt_logprobs=logprobs_to_proto(new, generate_pb2.Logprobs())))
 
     def _fail(self, worker: WorkerHandle, handle: int, seq_id: str | None, error: str) -> None:
         """A request its worker failed in a step, unless its admission has ended since (a late failure

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 # SamplingSpec, Chunk and SampledToken, built per request per step, are slotted and not frozen: a
 # frozen dataclass's __init__ costs 1.2 us against 0.2, at batch 256 a quarter millisecond of every
@@ -23,13 +23,56 @@ class SamplingSpec:
     stop_ids: tuple[int, ...] = ()  # the tokens that end the request (eos unless ignored, stop_token_ids); only with min_tokens
     bias_ids: tuple[int, ...] = ()  # logit_bias: added to these tokens' logits before anything else
     bias_values: tuple[float, ...] = ()
+    logprobs: bool = False  # report the sampled token's log-probability
+    top_logprobs: int = 0  # with this many of the likeliest tokens'
 
     def next(self) -> SamplingSpec:
         """The spec of the token after this one."""
         return SamplingSpec(
             self.temperature, self.top_p, self.top_k, self.seed, self.step + 1,
-            self.min_p, self.min_tokens, self.stop_ids, self.bias_ids, self.bias_values,
+            self.min_p, self.min_tokens, self.stop_ids, self.bias_ids, self.bias_values, self.logprobs, self.top_logprobs,
         )  # fmt: skip
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Log-probabilities of consecutive tokens, column-wise (generate.proto Logprobs): token i's `top`
+    likeliest alternatives are top_ids[i*top : (i+1)*top], likeliest first."""
+
+    logprobs: list[float]
+    ranks: list[int]  # 1 + the tokens strictly likelier
+    top: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    @staticmethod
+    def concat(parts: list[Logprobs]) -> Logprobs | None:
+        """The parts' tokens one after another (None for no parts); they share a top."""
+        if not parts:
+            return None
+        return Logprobs(
+            [x for p in parts for x in p.logprobs], [x for p in parts for x in p.ranks], parts[0].top,
+            [x for p in parts for x in p.top_ids], [x for p in parts for x in p.top_logprobs],
+        )  # fmt: skip
+
+    def rows(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """Per token: its logprob, its rank and its top alternatives as (id, logprob)."""
+        k = self.top
+        ids, values = self.top_ids, self.top_logprobs
+        return [
+            (lp, rank, list(zip(ids[i * k : i * k + k], values[i * k : i * k + k])))
+            for i, (lp, rank) in enumerate(zip(self.logprobs, self.ranks))
+        ]
+
+    def slice(self, start: int, end: int) -> Logprobs:
+        """Tokens start..end-1."""
+        k = self.top
+        return Logprobs(
+            self.logprobs[start:end], self.ranks[start:end], k, self.top_ids[start * k : end * k], self.top_logprobs[start * k : end * k]
+        )
 
 
 PENDING_TOKEN = -1  # a decode chunk's input planned a step ahead: the token its worker samples in the step before
@@ -51,6 +94,10 @@ class Chunk:
     handle: int = -1
     fed_back: bool = False
     known_blocks: int = 0
+    # its request scores its prompt: each row's logits against the token after it (the chunk's next,
+    # then score_next: -1 for the chunk that samples), with prompt_top alternatives; -1: not scored
+    prompt_top: int = -1
+    score_next: int = -1
 
     @property
     def end_pos(self) -> int:
@@ -70,6 +117,7 @@ class Admission:
     host_prefix: tuple[int, ...]
     stop_token_ids: tuple[int, ...]  # with the model's eos unless ignore_eos: a token that ends it
     ignore_eos: bool
+    prompt_top: int = -1  # it scores its prompt with this many alternatives per token; -1: it does not
 
 
 @dataclass(frozen=True)
@@ -111,6 +159,7 @@ class StepPlan:
 class SampledToken:
     seq_id: str
     token_id: int
+    logprobs: Logprobs | None = None  # of this one token, when its request asked
 
 
 @dataclass(frozen=True)
@@ -146,3 +195,4 @@ class StepOutcome:
     recall: RecallStats = RecallStats()  # what the step's offloaded requests recalled
     compute_s: float = 0.0  # the forward's time, less what it waited on recalls
     tier_copy_s: float = 0.0  # before the forward: demotions and promotions of the KV hierarchy
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # seq_id -> its prompt tokens the step's chunk scored

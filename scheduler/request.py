@@ -8,10 +8,11 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pulseinfer.scheduler.plan import SamplingSpec
+from pulseinfer.scheduler.plan import Logprobs, SamplingSpec
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI's top_logprobs limit (vLLM's default max_logprobs)
 UINT32_MAX = 2**32 - 1  # max_tokens, top_k and token ids travel as proto uint32
 FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p travel as proto float
 
@@ -36,6 +37,8 @@ class SamplingParams:
     min_p: float = 0.0  # 0: off
     min_tokens: int = 0  # tokens generated before eos, stop_token_ids or a stop string may end it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # report each sampled token's log-probability, with this many alternatives
+    prompt_logprobs: int | None = None  # report each prompt token's (from the second), with this many alternatives
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first bad field."""
@@ -61,6 +64,10 @@ class SamplingParams:
         check_token_ids([token for token, _ in self.logit_bias], vocab_size, "logit_bias token ids")
         if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
             raise ValueError("logit_bias names a token twice")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
 
     def stop_ids(self, eos_id: int | None) -> frozenset[int]:
         """The tokens that end the request when sampled."""
@@ -100,6 +107,7 @@ class Sequence:
     cached_tokens: int | None = None  # prompt tokens whose KV the prefix cache had at its first placement
     block_names: tuple[bytes, ...] = ()  # prefix-cache names of its leading full blocks
     num_named: int = 0  # leading blocks the prefix cache has been given since it last started
+    num_prompt_scored: int = 0  # prompt tokens (from the second) whose logprobs have been reported, with prompt_logprobs
     host_cached_blocks: int | None = None  # of its prefix, cached in the host tier when admission first asked
     # while it runs: its admission's handle on its worker, the blocks of its table the worker has, and
     # (offloaded, host prefix cache on) its leading blocks whose names the worker has been given
@@ -147,6 +155,20 @@ class Sequence:
     def in_prefill(self) -> bool:
         return self.num_cached < self.length - 1
 
+    @property
+    def scores_prompt(self) -> bool:
+        """It wants its prompt's logprobs and has not had them all: its prompt is computed whole."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_scored < len(self.prompt_ids) - 1
+
+    def take_prompt_logprobs(self, start: int, scored: Logprobs) -> Logprobs:
+        """Of what a chunk at `start` scored (positions start + 1 on), the prompt positions not reported
+        yet, counted reported now. A scoring admission's chunks start at position 0 (no cached prefix)
+        and run in order, so the first position not reported is never past the chunk's first."""
+        first_new = self.num_prompt_scored + 1 - (start + 1)
+        new = scored.slice(first_new, len(self.prompt_ids) - 1 - start)
+        self.num_prompt_scored += len(new)
+        return new
+
     def sampling_spec(self, eos_id: int | None) -> SamplingSpec:
         """Made for every chunk that samples: what few requests ask for is filled in only for them."""
         p = self.params
@@ -155,4 +177,6 @@ class Sequence:
             spec.min_tokens, spec.stop_ids = p.min_tokens, tuple(sorted(p.stop_ids(eos_id)))
         if p.logit_bias:
             spec.bias_ids, spec.bias_values = map(tuple, zip(*p.logit_bias))
+        if p.logprobs is not None:
+            spec.logprobs, spec.top_logprobs = True, p.logprobs
         return spec

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from pulseinfer.scheduler.plan import RECALL_FIELDS, Admission, RecallStats, SampledToken, SamplingSpec, StepPlan
+from pulseinfer.scheduler.plan import RECALL_FIELDS, Admission, Logprobs, RecallStats, SampledToken, SamplingSpec, StepPlan
 from pulseinfer.scheduler.request import SamplingParams
 
 
@@ -14,6 +14,7 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
     RequestTable (gpu_worker/requests.py) rebuilds the plan's chunks from it."""
     message = worker_pb2.StepPlan(step_id=plan.step_id, released=plan.released_handles, admitted=[_admission(a) for a in plan.admitted])
     grant_handles, grant_blocks, prefill_handles, prefill_lengths, prefill_tokens, decode = [], [], [], [], [], []
+    score_handles, score_next = [], []
     for chunk in plan.chunks:
         new_blocks = chunk.block_table[chunk.known_blocks :]
         if new_blocks:
@@ -25,6 +26,11 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
             prefill_handles.append(chunk.handle)
             prefill_lengths.append(len(chunk.token_ids))
             prefill_tokens += chunk.token_ids
+            if chunk.prompt_top >= 0 and chunk.sampling is None:
+                score_handles.append(chunk.handle)
+                score_next.append(chunk.score_next)
+    message.score_handles[:] = score_handles
+    message.score_next[:] = score_next
     message.grant_handles[:] = grant_handles
     message.grant_blocks[:] = grant_blocks
     message.prefill_handles[:] = prefill_handles
@@ -51,25 +57,52 @@ def _admission(a: Admission) -> worker_pb2.Admission:
         host_prefix=a.host_prefix,
         stop_token_ids=a.stop_token_ids,
         ignore_eos=a.ignore_eos,
+        score_prompt=a.prompt_top >= 0,
+        prompt_top=max(a.prompt_top, 0),
     )
 
 
 def sampling_to_proto(s: SamplingSpec) -> worker_pb2.SamplingSpec:
     return worker_pb2.SamplingSpec(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step, min_p=s.min_p, min_tokens=s.min_tokens,
-        stop_ids=s.stop_ids, bias_ids=s.bias_ids, bias_values=s.bias_values,
+        stop_ids=s.stop_ids, bias_ids=s.bias_ids, bias_values=s.bias_values, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
     )  # fmt: skip
 
 
 def sampling_from_proto(s: worker_pb2.SamplingSpec) -> SamplingSpec:
     return SamplingSpec(
-        s.temperature, s.top_p, s.top_k, s.seed, s.step, s.min_p, s.min_tokens, tuple(s.stop_ids), tuple(s.bias_ids), tuple(s.bias_values)
-    )
+        s.temperature, s.top_p, s.top_k, s.seed, s.step, s.min_p, s.min_tokens, tuple(s.stop_ids), tuple(s.bias_ids),
+        tuple(s.bias_values), s.logprobs, s.top_logprobs,
+    )  # fmt: skip
 
 
 def tokens_from_result(seq_ids: dict[int, str], result: worker_pb2.StepResult) -> list[SampledToken]:
-    """The result's tokens, named by the requests of the step's handles (`seq_ids`)."""
-    return [SampledToken(seq_ids[h], t) for h, t in zip(result.handles, result.token_ids) if h in seq_ids]
+    """The result's tokens, named by the requests of the step's handles (`seq_ids`), with their logprobs."""
+    reported = dict(zip(result.logprob_handles, result.logprobs))
+    return [
+        SampledToken(seq_ids[h], t, logprobs_from_proto(reported[h]) if h in reported else None)
+        for h, t in zip(result.handles, result.token_ids)
+        if h in seq_ids
+    ]
+
+
+def prompt_logprobs_from_result(seq_ids: dict[int, str], result: worker_pb2.StepResult) -> dict[str, Logprobs]:
+    """The prompt tokens the step's chunks scored, by request."""
+    return {seq_ids[h]: logprobs_from_proto(m) for h, m in zip(result.prompt_handles, result.prompt_logprobs) if h in seq_ids}
+
+
+def logprobs_to_proto(logprobs: Logprobs, message: generate_pb2.Logprobs) -> generate_pb2.Logprobs:
+    """Appends them to `message` (whose top becomes theirs); returns it."""
+    message.logprobs.extend(logprobs.logprobs)
+    message.ranks.extend(logprobs.ranks)
+    message.top = logprobs.top
+    message.top_ids.extend(logprobs.top_ids)
+    message.top_logprobs.extend(logprobs.top_logprobs)
+    return message
+
+
+def logprobs_from_proto(message: generate_pb2.Logprobs) -> Logprobs:
+    return Logprobs(list(message.logprobs), list(message.ranks), message.top, list(message.top_ids), list(message.top_logprobs))
 
 
 def recall_to_proto(recall: RecallStats) -> worker_pb2.RecallStats:
@@ -93,8 +126,9 @@ def params_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         min_tokens=p.min_tokens,
         logit_bias=dict(p.logit_bias),
     )
-    if p.seed is not None:
-        message.seed = p.seed
+    for name in ("seed", "logprobs", "prompt_logprobs"):  # optional fields: None leaves them unset
+        if (value := getattr(p, name)) is not None:
+            setattr(message, name, value)
     return message
 
 
@@ -117,4 +151,6 @@ def params_from_proto(message: generate_pb2.SamplingParams, default_max_tokens: 
         min_p=get("min_p", d.min_p),
         min_tokens=get("min_tokens", d.min_tokens),
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        logprobs=get("logprobs", None),
+        prompt_logprobs=get("prompt_logprobs", None),
     )

@@ -196,7 +196,7 @@ CONFIGS = {
     "headwise": ("qwen3", dict(mode="headwise", layer_ahead="off")),
     "pulse-sliding": ("gemma3", dict(mode="pulse", layer_ahead="off")),
 }
-SAMPLER, SELECTION = "gpu_worker/sampler.py:sample", "gpu_worker/offload/selection.py:select"
+SAMPLER, SELECTION = "gpu_worker/sampler.py:sample_with_logprobs", "gpu_worker/offload/selection.py:select"
 Counted = Callable[[], AbstractContextManager[Callable[[], Counter]]]  # counts a step's syncs: by (kind, site) once it ends
 
 

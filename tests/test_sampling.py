@@ -1,11 +1,12 @@
 import math
 
+import pytest
 import torch
 
 from pulseinfer.common.model.tokenizer import TextStream
-from pulseinfer.gpu_worker.sampler import UNSAMPLEABLE, sample
-from pulseinfer.scheduler.plan import SamplingSpec
-from pulseinfer.scheduler.request import FinishReason, SamplingParams
+from pulseinfer.gpu_worker.sampler import UNSAMPLEABLE, sample, sample_with_logprobs
+from pulseinfer.scheduler.plan import Logprobs, SamplingSpec
+from pulseinfer.scheduler.request import FinishReason, SamplingParams, Sequence
 
 
 def spec(**kw) -> SamplingSpec:
@@ -211,3 +212,43 @@ def test_text_stream_long_output_equals_full_decode(engine):
     stream = TextStream(tok, context_ids=tok.encode("Context: "))
     streamed = "".join(stream.update(ids[: i + 1]) for i in range(len(ids))) + stream.flush()
     assert len(ids) > 1000 and streamed == tok.decode(ids)
+
+
+def test_logprobs_are_of_the_biased_scaled_distribution_the_token_was_drawn_from():
+    """Greedy rows: the log-softmax of the logits after logit_bias (unscaled); sampled rows: after
+    temperature too, at the token drawn; ranks and the top alternatives of the same distribution;
+    a row that asks for none gets None."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    specs = [
+        spec(temperature=0.0, logprobs=True, top_logprobs=4, bias_ids=(7,), bias_values=(5.0,)),
+        spec(temperature=0.5, logprobs=True, top_logprobs=0, step=3),
+        spec(temperature=0.0),
+    ]
+    tokens, logprobs = sample_with_logprobs(logits, specs)
+    assert tokens == sample(logits, specs) and logprobs[2] is None
+    biased = logits[0].clone()
+    biased[7] += 5.0
+    greedy = torch.log_softmax(biased, -1)
+    assert tokens[0] == int(greedy.argmax())
+    assert logprobs[0].logprobs == pytest.approx([greedy.max().item()]) and logprobs[0].ranks == [1]
+    assert logprobs[0].top_ids == greedy.topk(4).indices.tolist() and logprobs[0].top_logprobs == pytest.approx(
+        greedy.topk(4).values.tolist()
+    )
+    hot = torch.log_softmax(logits[1] / 0.5, -1)
+    assert logprobs[1].logprobs == pytest.approx([hot[tokens[1]].item()]) and logprobs[1].top_ids == []
+    assert logprobs[1].ranks == [int((hot > hot[tokens[1]]).sum()) + 1]
+
+
+def test_prompt_logprobs_are_reported_once_per_position_across_chunks_and_a_restart():
+    """A prompt scored in two chunks, then again from position 0 after a preemption: every position
+    1..len-1 reported once, in order, and nothing past the prompt."""
+    seq = Sequence.admit("a", range(1, 11), SamplingParams(prompt_logprobs=0), vocab_size=100)
+
+    def scored(start: int, count: int) -> Logprobs:  # positions start + 1 .. start + count, as logprob -position
+        return Logprobs([-float(p) for p in range(start + 1, start + 1 + count)], [1] * count, 0, [], [])
+
+    assert seq.scores_prompt
+    assert seq.take_prompt_logprobs(0, scored(0, 4)).logprobs == [-1, -2, -3, -4]
+    assert seq.take_prompt_logprobs(0, scored(0, 6)).logprobs == [-5, -6]  # preempted: scored again from 0
+    assert seq.take_prompt_logprobs(6, scored(6, 3)).logprobs == [-7, -8, -9]  # the chunk that samples
+    assert not seq.scores_prompt and len(seq.take_prompt_logprobs(6, scored(6, 4))) == 0

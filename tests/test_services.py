@@ -14,10 +14,12 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving_cluster import ServingCluster
 
+from pulseinfer.gpu_worker.forward import dense_forward
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 from pulseinfer.scheduler.request import SamplingParams
 
@@ -205,7 +207,9 @@ BAD_REQUESTS = [
     ("temperature below zero", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400),
     ("top_p above one", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400),
     ("huge n", "/v1/completions", {"prompt": "hi", "n": 100000}, 400),
-    ("logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400),
+    ("top_logprobs over 20", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400),
+    ("streamed prompt_logprobs", "/v1/completions", {"prompt": "a", "stream": True, "prompt_logprobs": 1}, 400),
     ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
     ("unknown route", "/v1/embeddings", {"input": "hi"}, 404),
 ]
@@ -257,12 +261,11 @@ def test_bench_serve_replays_a_trace(cluster, tmp_path):
 # it, and the extensions of other servers: each must be refused with a 400 naming it, never ignored
 NOT_IMPLEMENTED = {
     "completions": {
-        "logprobs": 0, "echo": True, "best_of": 2, "suffix": "end", "presence_penalty": 0.5, "frequency_penalty": 0.5,
-        "repetition_penalty": 1.2, "prompt_logprobs": 1,
+        "best_of": 2, "suffix": "end", "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
         "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": {}, "response_format": {"type": "json_object"},
     },
     "chat": {
-        "logprobs": True, "top_logprobs": 2, "presence_penalty": 1.0, "frequency_penalty": -1.0,
+        "presence_penalty": 1.0, "frequency_penalty": -1.0,
         "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"},
         "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
@@ -314,6 +317,72 @@ def test_logit_bias_min_p_and_min_tokens_through_the_openai_client(client, engin
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 20
     longer = client.chat.completions.create(**chat, extra_body={"min_tokens": 20})
     assert longer.usage.completion_tokens >= 20 and longer.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
+def _model_logprobs(engine, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The in-process model's log-softmax at every position of `ids` (row p predicts token p + 1)."""
+    hidden, _ = dense_forward(engine.runner.model, ids)
+    return torch.log_softmax(engine.runner.model.logits(hidden).float() / temperature, dim=-1)
+
+
+def test_logprobs_of_sampled_and_echoed_prompt_tokens_are_the_models_log_softmax(client, engine, stub):
+    """Completions (echo: the prompt's tokens first, the first one null), chat, streamed, gRPC and
+    vLLM's prompt_logprobs, each against the model's own log-softmax (after temperature for sampled
+    tokens), within 1e-4; a scored prompt is computed whole, never taken from the prefix cache."""
+    tok = engine.tokenizer
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    prompt_ids = tok.encode(prompt)
+    (greedy,) = engine.generate([prompt_ids], SamplingParams(max_tokens=5))
+    ids = prompt_ids + greedy.token_ids
+    expected = _model_logprobs(engine, ids)
+    targets = [expected[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    for _ in range(2):  # the second time its blocks are cached, and not used
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3, echo=True)
+        choice = got.choices[0]
+        assert choice.text == prompt + greedy.text and got.usage.prompt_tokens_details.cached_tokens == 0
+        assert choice.logprobs.tokens == [tok.decode([t], skip_special=False) for t in ids]
+        assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(targets, abs=1e-4)
+        for p, top in enumerate(choice.logprobs.top_logprobs[1:], 1):
+            values, best = expected[p - 1].topk(3)
+            alternatives = {tok.decode([t], skip_special=False): v for t, v in zip(best.tolist(), values.tolist())}
+            assert top == pytest.approx(alternatives | {choice.logprobs.tokens[p]: targets[p - 1]}, abs=1e-4)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=0)
+    assert plain.choices[0].logprobs.token_logprobs == pytest.approx(targets[-5:], abs=1e-4)
+    assert plain.choices[0].logprobs.tokens == [tok.decode([t], skip_special=False) for t in greedy.token_ids]
+    vllm = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0})
+    scored = vllm.model_extra["choices"][0]["prompt_logprobs"] if vllm.model_extra.get("choices") else vllm.choices[0].prompt_logprobs
+    assert scored[0] is None and len(scored) == len(prompt_ids)
+    assert [entry[str(t)]["logprob"] for entry, t in zip(scored[1:], prompt_ids[1:])] == pytest.approx(
+        targets[: len(prompt_ids) - 1], abs=1e-4
+    )
+    # a sampled token's logprob is of the distribution it was drawn from: after temperature
+    hot = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.7, seed=3, logprobs=1)
+    hot_ids = tok.encode(hot.choices[0].text, add_special=False)
+    if tok.decode(hot_ids) == hot.choices[0].text and len(hot_ids) == 4:  # the text re-tokenizes to the sampled tokens
+        scaled = _model_logprobs(engine, prompt_ids + hot_ids, 0.7)
+        drawn = [scaled[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(hot_ids)]
+        assert hot.choices[0].logprobs.token_logprobs == pytest.approx(drawn, abs=1e-4)
+    chat_ids = tok.encode(tok.render_chat(CHAT), add_special=False)
+    (answer,) = engine.generate([chat_ids], SamplingParams(max_tokens=6))
+    chat_expected = _model_logprobs(engine, chat_ids + answer.token_ids)[len(chat_ids) - 1 :]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([chat_expected[i, t].item() for i, t in enumerate(answer.token_ids)], abs=1e-4)
+    assert [[a.token for a in c.top_logprobs] for c in content] == [
+        [tok.decode([t], skip_special=False) for t in chat_expected[i].topk(2).indices.tolist()] for i in range(len(content))
+    ]
+    streamed = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    sampling = generate_pb2.SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, prompt_logprobs=0)
+    events = list(stub[0].Generate(generate_pb2.GenerateRequest(text=prompt, sampling=sampling), metadata=AUTH))
+    over_grpc = [lp for e in events[:-1] for lp in e.chunk.prompt_logprobs.logprobs] + [
+        lp for e in events[:-1] for lp in e.chunk.logprobs.logprobs
+    ]
+    assert over_grpc == pytest.approx(targets, abs=1e-4)
 
 
 def _prefix_hits(cluster) -> float:

@@ -1,3 +1,4 @@
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingSpec(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "step", "min_p", "min_tokens", "stop_ids", "bias_ids", "bias_values")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "step", "min_p", "min_tokens", "stop_ids", "bias_ids", "bias_values", "logprobs", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +19,8 @@ class SamplingSpec(_message.Message):
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
     BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -28,10 +31,12 @@ class SamplingSpec(_message.Message):
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
     bias_ids: _containers.RepeatedScalarFieldContainer[int]
     bias_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("handle", "seq_id", "start_pos", "length", "sampling", "offloaded", "host_prefix", "stop_token_ids", "ignore_eos")
+    __slots__ = ("handle", "seq_id", "start_pos", "length", "sampling", "offloaded", "host_prefix", "stop_token_ids", "ignore_eos", "score_prompt", "prompt_top")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +46,8 @@ class Admission(_message.Message):
     HOST_PREFIX_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_FIELD_NUMBER: _ClassVar[int]
     handle: int
     seq_id: str
     start_pos: int
@@ -50,10 +57,12 @@ class Admission(_message.Message):
     host_prefix: _containers.RepeatedScalarFieldContainer[int]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, handle: _Optional[int] = ..., seq_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., length: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., offloaded: _Optional[bool] = ..., host_prefix: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    score_prompt: bool
+    prompt_top: int
+    def __init__(self, handle: _Optional[int] = ..., seq_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., length: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., offloaded: _Optional[bool] = ..., host_prefix: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., score_prompt: _Optional[bool] = ..., prompt_top: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "released", "admitted", "grant_handles", "grant_blocks", "prefill_handles", "prefill_lengths", "prefill_tokens", "decode", "name_handles", "name_blocks", "names", "demote_blocks", "demote_names")
+    __slots__ = ("step_id", "released", "admitted", "grant_handles", "grant_blocks", "prefill_handles", "prefill_lengths", "prefill_tokens", "decode", "name_handles", "name_blocks", "names", "demote_blocks", "demote_names", "score_handles", "score_next")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +77,8 @@ class StepPlan(_message.Message):
     NAMES_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SCORE_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SCORE_NEXT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     released: _containers.RepeatedScalarFieldContainer[int]
     admitted: _containers.RepeatedCompositeFieldContainer[Admission]
@@ -82,10 +93,12 @@ class StepPlan(_message.Message):
     names: _containers.RepeatedScalarFieldContainer[bytes]
     demote_blocks: _containers.RepeatedScalarFieldContainer[int]
     demote_names: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, step_id: _Optional[int] = ..., released: _Optional[_Iterable[int]] = ..., admitted: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., grant_handles: _Optional[_Iterable[int]] = ..., grant_blocks: _Optional[_Iterable[int]] = ..., prefill_handles: _Optional[_Iterable[int]] = ..., prefill_lengths: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Iterable[int]] = ..., name_handles: _Optional[_Iterable[int]] = ..., name_blocks: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[bytes]] = ..., demote_blocks: _Optional[_Iterable[int]] = ..., demote_names: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    score_handles: _containers.RepeatedScalarFieldContainer[int]
+    score_next: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., released: _Optional[_Iterable[int]] = ..., admitted: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., grant_handles: _Optional[_Iterable[int]] = ..., grant_blocks: _Optional[_Iterable[int]] = ..., prefill_handles: _Optional[_Iterable[int]] = ..., prefill_lengths: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Iterable[int]] = ..., name_handles: _Optional[_Iterable[int]] = ..., name_blocks: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[bytes]] = ..., demote_blocks: _Optional[_Iterable[int]] = ..., demote_names: _Optional[_Iterable[bytes]] = ..., score_handles: _Optional[_Iterable[int]] = ..., score_next: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "handles", "token_ids", "forward_s", "idle_s", "error", "failed", "recall", "compute_s", "tier_copy_s")
+    __slots__ = ("step_id", "handles", "token_ids", "forward_s", "idle_s", "error", "failed", "recall", "compute_s", "tier_copy_s", "logprob_handles", "logprobs", "prompt_handles", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +109,10 @@ class StepResult(_message.Message):
     RECALL_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     TIER_COPY_S_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -106,7 +123,11 @@ class StepResult(_message.Message):
     recall: RecallStats
     compute_s: float
     tier_copy_s: float
-    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ..., tier_copy_s: _Optional[float] = ...) -> None: ...
+    logprob_handles: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.Logprobs]
+    prompt_handles: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.Logprobs]
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ..., tier_copy_s: _Optional[float] = ..., logprob_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.Logprobs, _Mapping]]] = ..., prompt_handles: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.Logprobs, _Mapping]]] = ...) -> None: ...
 
 class RecallStats(_message.Message):
     __slots__ = ("units", "transfers", "bytes", "wait_s", "prefetched_units", "corrected_units", "io_busy_s", "truncated_units", "suspended_rows", "resumed_layers")
