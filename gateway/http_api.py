@@ -77,6 +77,7 @@ class HttpApi:
             Route("/tokenize", self.tokenize, methods=["POST"]),  # vLLM's paths and shapes
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),  # vLLM's: lm-eval's remote tokenizer reads it
         ]
         return Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
 
@@ -152,6 +153,12 @@ class HttpApi:
         except ApiError as e:
             return error_response(e)
         return JSONResponse({"prompt": await asyncio.to_thread(self.core.tokenizer.decode, ids)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """The tokenizer's special tokens and chat template, for clients that tokenize through /tokenize."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        return JSONResponse(self.core.tokenizer.config() | {"pad_token": None, "model_max_length": self.core.max_context})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": version("pulseinfer")})

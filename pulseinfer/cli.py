@@ -71,13 +71,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _eval_parser(sub) -> None:
     from pulseinfer.engine import EngineConfig
-    from pulseinfer.evals import PasskeyConfig, PerplexityConfig
+    from pulseinfer.evals import ChoiceConfig, PasskeyConfig, PerplexityConfig
 
     p = sub.add_parser("eval", help="accuracy of a decoding mode on the real model")
     tasks = p.add_subparsers(dest="task", required=True)
     for task, config, help_text in (
         ("passkey", PasskeyConfig, "retrieval of a 5-digit key hidden in plain-text filler"),
         ("ppl", PerplexityConfig, "perplexity of the last tokens of each window, each predicted by a decode step"),
+        ("choice", ChoiceConfig, "multiple-choice loglikelihood accuracy, scored as lm-evaluation-harness scores it"),
     ):
         t = tasks.add_parser(task, help=help_text)
         add_flags(t, config)

@@ -21,7 +21,7 @@ from pulseinfer.kv_store.allocator import BlockAllocator
 from pulseinfer.kv_store.prefix_cache import HostBlocks
 from pulseinfer.kv_store.view import PoolView
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from pulseinfer.scheduler.plan import Chunk, StepPlan
+from pulseinfer.scheduler.plan import Chunk, Logprobs, StepPlan
 from pulseinfer.scheduler.request import FinishReason, SamplingParams, Sequence
 
 
@@ -48,6 +48,7 @@ class Completion:
     offloaded: bool = False  # its KV lived mostly in the host pool when it finished
     error: str = ""
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[float] | None = None  # with SamplingParams.prompt_logprobs: of prompt tokens 1..
 
     @property
     def completion_tokens(self) -> int:
@@ -103,6 +104,7 @@ class Engine:
         self._streams: dict[str, TextStream] = {}
         self._seqs: dict[str, Sequence] = {}
         self._errors: dict[str, str] = {}
+        self._prompt_logprobs: dict[str, list[Logprobs]] = {}  # of requests that score their prompt, as scored
         self.last_plan: StepPlan | None = None  # what the last step ran (the benchmarks time steps by it)
         self.load_seconds = time.perf_counter() - started
 
@@ -138,6 +140,8 @@ class Engine:
         self.batcher.add(seq)
         self._seqs[seq_id] = seq
         self._streams[seq_id] = TextStream(self.tokenizer, params.stop, prompt_ids, params.min_tokens)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[seq_id] = []
         return seq_id
 
     def step(self, pick: Pick | None = None) -> list[Completion]:
@@ -148,6 +152,7 @@ class Engine:
         outcome = self.runner.execute(plan, pick)
         self.batcher.observe(plan, outcome.recall, outcome.compute_s)
         finished = self.batcher.commit(plan, outcome.tokens)
+        self._take_prompt_logprobs(plan, outcome.prompt_logprobs)
         for seq_id, error in outcome.failed.items():
             if (seq := self.batcher.abort(seq_id, FinishReason.ERROR)) is not None:
                 self._errors[seq_id] = error
@@ -160,6 +165,11 @@ class Engine:
                 if stream.stopped:
                     finished.append(self.batcher.abort(seq.seq_id, FinishReason.STOP))
         return [self._complete(seq) for seq in finished]
+
+    def _take_prompt_logprobs(self, plan: StepPlan, scored: dict[str, Logprobs]) -> None:
+        for chunk in plan.chunks:
+            if chunk.seq_id in scored and (seq := self._seqs.get(chunk.seq_id)) is not None:
+                self._prompt_logprobs[chunk.seq_id].append(seq.take_prompt_logprobs(chunk.start_pos, scored[chunk.seq_id]))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         all_params = params if isinstance(params, list) else [params] * len(prompts)
@@ -213,6 +223,7 @@ class Engine:
             stream.update(seq.output_ids)
             stream.flush()
         error = self._errors.pop(seq.seq_id, "")
+        scored = self._prompt_logprobs.pop(seq.seq_id, None)
         return Completion(
             seq.seq_id,
             stream.emitted,
@@ -222,4 +233,5 @@ class Engine:
             seq.offloaded,
             error,
             seq.cached_tokens or 0,
+            None if scored is None else [logprob for part in scored for logprob in part.logprobs],
         )

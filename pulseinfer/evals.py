@@ -1,4 +1,5 @@
-"""Accuracy of sparse decoding on the real model: passkey retrieval and perplexity.
+"""Accuracy of sparse decoding on the real model: passkey retrieval, perplexity, and
+multiple-choice loglikelihood as lm-evaluation-harness scores it.
 
 Both run the in-process engine with every request offloaded in `pulse` and `headwise` mode
 (so each decode step attends only sink + selected blocks + window) and resident in `dense`
@@ -9,6 +10,7 @@ transfers per decode step.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import time
@@ -46,6 +48,17 @@ class PerplexityConfig:
     context: int = 4096  # tokens per window
     score_tokens: int = 64  # the last tokens of each window, each predicted by a sparse decode step
     windows: int = 4  # non-overlapping windows from the start of the text
+
+
+@dataclass(frozen=True)
+class ChoiceConfig:
+    # JSON lines of {"question": str, "choices": [str, ...], "answer": index}: each choice scored as the
+    # continuation " " + choice of the question, as lm-eval's multiple_choice tasks do (tests/data/lm_eval)
+    file: Path | None = None
+    limit: int = 0  # the first this many questions; 0: all
+    # about this many tokens of the passkey eval's plain-text filler before each question: a long
+    # context the question's tokens attend (with --score-prompt-with decode, set --score-from to it)
+    filler: int = 0
 
 
 def sparse_engine_config(config: EngineConfig) -> EngineConfig:
@@ -124,6 +137,46 @@ def run_perplexity(engine: Engine, config: PerplexityConfig) -> dict:
     return {"perplexity": math.exp(sum(nll) / len(nll)), "perplexity_by_window": per_window, "scored_tokens": len(nll), "windows": count}
 
 
+def run_choice(engine: Engine, config: ChoiceConfig) -> dict:
+    """lm-eval's loglikelihood of each choice (its tokens' logprobs summed, the prompt scored by the
+    prefill) and accuracy (the likeliest choice is the answer), tokenized as lm-eval's remote
+    tokenizer does: context and context + continuation encoded without special tokens."""
+    if config.file is None:
+        raise ValueError("choice needs --file: JSON lines of question, choices and answer")
+    docs = [json.loads(line) for line in _read(config.file).splitlines() if line.strip()]
+    docs = docs[: config.limit] if config.limit > 0 else docs
+    lead = _filler(engine, config.filler)
+    pairs = [_encode_pair(engine, lead + doc["question"], " " + choice) for doc in docs for choice in doc["choices"]]
+    completions = engine.generate(
+        [context + continuation for context, continuation in pairs], SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )
+    scores = iter(sum(c.prompt_logprobs[len(context) - 1 :]) for (context, _), c in zip(pairs, completions))
+    cases = []
+    for doc in docs:
+        loglikelihoods = [next(scores) for _ in doc["choices"]]
+        cases.append({"loglikelihoods": loglikelihoods, "correct": loglikelihoods.index(max(loglikelihoods)) == doc["answer"]})
+    return {"accuracy": sum(c["correct"] for c in cases) / len(cases), "questions": len(cases), "cases": cases}
+
+
+def _filler(engine: Engine, tokens: int) -> str:
+    """About `tokens` tokens of the passkey filler, ending in a newline ("" for 0)."""
+    if tokens <= 0:
+        return ""
+    per_filler = len(engine.tokenizer.encode(" ".join([PASSKEY_FILLER] * 20), add_special=False)) / 20
+    return " ".join([PASSKEY_FILLER] * max(1, round(tokens / per_filler))) + "\n"
+
+
+def _encode_pair(engine: Engine, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's LM._encode_pair: trailing spaces of the context move to the continuation, whose
+    tokens are those of the whole text after the context's."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = engine.tokenizer.encode(context + continuation, add_special=False)
+    context_ids = engine.tokenizer.encode(context, add_special=False)
+    return context_ids, whole[len(context_ids) :]
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()
@@ -132,18 +185,21 @@ def _read(path: Path) -> str:
 
 
 def evaluate(
-    task: str, engine_config: EngineConfig, task_config: PasskeyConfig | PerplexityConfig, loaded: LoadedModel | None = None
+    task: str, engine_config: EngineConfig, task_config: PasskeyConfig | PerplexityConfig | ChoiceConfig, loaded: LoadedModel | None = None
 ) -> dict:
     """Runs one eval; returns the settings, the results and the selection's statistics as one JSON-able dict."""
     torch.manual_seed(0)
     started = time.perf_counter()
     with Engine(sparse_engine_config(engine_config), loaded) as engine:
-        results = run_passkey(engine, task_config) if task == "passkey" else run_perplexity(engine, task_config)
+        run = {"passkey": run_passkey, "ppl": run_perplexity, "choice": run_choice}[task]
+        results = run(engine, task_config)
         selection = engine.selection_stats()
     worker, offload = engine_config.worker, engine_config.worker.offload
     settings = {"task": task, "mode": worker.mode, "block_size": worker.block_size, **dataclasses.asdict(task_config)}
     if worker.mode != "dense":
         settings.update(budget=offload.budget, sink=offload.sink, recent=offload.recent)
+    if task == "choice":
+        settings.update(score_prompt_with=engine_config.batcher.score_prompt_with, score_from=engine_config.batcher.score_from)
     if "file" in settings:
         settings["file"] = str(settings["file"] or "pydoc_data.topics")
     return {"settings": settings, **results, "selection": selection, "seconds": round(time.perf_counter() - started, 1)}

@@ -28,6 +28,9 @@ class QueueFull(RuntimeError):
     pass
 
 
+SCORE_PROMPT_WITH = ("prefill", "decode")
+
+
 class RequestTooLarge(ValueError):
     pass
 
@@ -52,8 +55,18 @@ class BatcherConfig:
     # promotes the host blocks its cached prefix goes on with. off: each tier serves its own
     # placements only (device evictions are dropped; offloaded requests still reuse host blocks)
     host_prefix_cache: str = "on"
+    # prefill: a request's prompt logprobs come from its prefill chunks (dense attention, as the anchors
+    # compute them). decode: its prompt tokens from position --score-from on run one per step as decode
+    # rows of the serving mode (sparse selection, offloaded KV), teacher-forced, so a loglikelihood eval
+    # measures the sparse path; a step per token (README "Logprobs")
+    score_prompt_with: str = "prefill"
+    score_from: int = 0
 
     def __post_init__(self) -> None:
+        if self.score_prompt_with not in SCORE_PROMPT_WITH:
+            raise ValueError(f"--score-prompt-with must be one of {', '.join(SCORE_PROMPT_WITH)}, got {self.score_prompt_with!r}")
+        if self.score_from < 0:
+            raise ValueError(f"--score-from must be >= 0, got {self.score_from}")
         if self.offload not in OFFLOAD_POLICIES:
             raise ValueError(f"--offload must be one of {', '.join(OFFLOAD_POLICIES)}, got {self.offload!r}")
         for flag, value in (("--prefix-cache", self.prefix_cache), ("--host-prefix-cache", self.host_prefix_cache)):
@@ -294,7 +307,10 @@ class Batcher:
         )  # fmt: skip
 
     def _prefill_chunk(self, seq: Sequence, budget: int, host_prefix: tuple[int, ...] = ()) -> Chunk | None:
-        end = min(seq.length, seq.num_cached + budget)
+        start = seq.num_cached
+        end = min(seq.length, start + budget)
+        if seq.scores_prompt and self.config.score_prompt_with == "decode":  # one token a step from --score-from: a decode row
+            end = start + 1 if start >= self.config.score_from else min(end, self.config.score_from)
         if not self._grow(seq, end):
             return None
         return self._chunk(seq, seq.num_cached, end, seq.ids(seq.num_cached, end), host_prefix=host_prefix)

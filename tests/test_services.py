@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving_cluster import ServingCluster
 
 from pulseinfer.gpu_worker.forward import dense_forward
+from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 from pulseinfer.scheduler.request import SamplingParams
 
@@ -383,6 +384,37 @@ def test_logprobs_of_sampled_and_echoed_prompt_tokens_are_the_models_log_softmax
         lp for e in events[:-1] for lp in e.chunk.logprobs.logprobs
     ]
     assert over_grpc == pytest.approx(targets, abs=1e-4)
+
+
+LM_EVAL_TASK = Path(__file__).parent / "data" / "lm_eval"  # pulseinfer_facts: 12 questions, 4 choices each, no download
+
+
+def test_lm_evaluation_harness_scores_a_loglikelihood_task_as_pulseinfer_eval_does(cluster, model, monkeypatch):
+    """lm-eval's local-completions (echo + logprobs at every prompt token, its remote tokenizer on
+    /tokenize and /tokenizer_info) against the served cluster gives each choice the loglikelihood
+    `pulseinfer eval choice` computes in process, dense and pulse, and so the same accuracy."""
+    import lm_eval  # a test dependency: imported here, since importing it takes seconds
+    from lm_eval.tasks import TaskManager
+
+    from pulseinfer.engine import EngineConfig
+    from pulseinfer.evals import ChoiceConfig, evaluate
+
+    monkeypatch.chdir(LM_EVAL_TASK)  # the task's data_files is relative
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    args = f"base_url={cluster.base_url}/v1/completions,model={MODEL},tokenizer_backend=remote,auth_token={API_KEY},batch_size=16"
+    served = lm_eval.simple_evaluate(
+        model="local-completions", model_args=args, tasks=["pulseinfer_facts"], task_manager=TaskManager(include_path=str(LM_EVAL_TASK)),
+        log_samples=True,
+    )  # fmt: skip
+    samples = sorted(served["samples"]["pulseinfer_facts"], key=lambda s: s["doc_id"])
+    served_lls = [[resp[0][0] for resp in sample["resps"]] for sample in samples]
+    task = ChoiceConfig(file=LM_EVAL_TASK / "facts.jsonl")
+    for mode in ("dense", "pulse"):
+        in_process = evaluate("choice", EngineConfig(worker=WorkerConfig(mode=mode), host_kv_tokens=8192), task, loaded=model)
+        assert served["results"]["pulseinfer_facts"]["acc,none"] == in_process["accuracy"] > 0.5
+        assert [ll for lls in served_lls for ll in lls] == pytest.approx(
+            [ll for c in in_process["cases"] for ll in c["loglikelihoods"]], abs=1e-3
+        )
 
 
 def _prefix_hits(cluster) -> float:

@@ -124,16 +124,19 @@ class Tokenizer:
             config.get("chat_template"),
         )
 
-    def save_hf_dir(self, path: Path) -> None:
-        """Write tokenizer.json and tokenizer_config.json (used to build HF-format model dirs)."""
-        self.backend.save(str(path / "tokenizer.json"))
-        config = {
+    def config(self) -> dict[str, Any]:
+        """Its special tokens and chat template, as Hugging Face's tokenizer_config.json writes them."""
+        return {
             "bos_token": self._token_text(self.special.bos_id) or None,
             "eos_token": self._token_text(self.special.eos_id) or None,
             "add_bos_token": self.special.add_bos,
             "chat_template": self.chat_template,
         }
-        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+    def save_hf_dir(self, path: Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json (used to build HF-format model dirs)."""
+        self.backend.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps(self.config(), indent=1))
 
 
 def _byte_level_backend(fields: dict[str, Any]) -> HFTokenizer:
