@@ -167,7 +167,8 @@ class GatewayCore:
     async def _events(self, submitted: Submitted, request: Prepared, arrived: float) -> AsyncIterator[Delta | Final]:
         """One Delta per wake-up, however many tokens arrived meanwhile: a gateway that falls
         behind sends fewer, larger events instead of a growing backlog."""
-        stream = TextStream(self.tokenizer, request.params.stop, request.prompt_ids, request.params.min_tokens)
+        p = request.params
+        stream = TextStream(self.tokenizer, p.stop, request.prompt_ids, p.min_tokens, p.skip_special_tokens, p.include_stop_str_in_output)
         output = array("q")  # a container the garbage collector does not scan, as the prompt's tuple
         last_token_at = None
         while True:

@@ -88,6 +88,8 @@ class _Request(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob, with this many alternatives
+    skip_special_tokens: bool | None = None  # vLLM's extensions, as include_stop_str_in_output
+    include_stop_str_in_output: bool | None = None
     # accepted and ignored on purpose: OpenAI's bookkeeping and routing hints, which do not change the output
     user: str | None = None
     service_tier: str | None = None
@@ -260,6 +262,8 @@ def _parsed(
         logit_bias=_logit_bias(request.logit_bias or {}),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=_or(request.skip_special_tokens, True),
+        include_stop_str_in_output=_or(request.include_stop_str_in_output, False),
     )
     stream = _or(request.stream, False)
     if stream and request.prompt_logprobs is not None:

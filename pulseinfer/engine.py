@@ -139,7 +139,9 @@ class Engine:
         seq = Sequence.admit(seq_id, prompt_ids, params, self.loaded.config.vocab_size)
         self.batcher.add(seq)
         self._seqs[seq_id] = seq
-        self._streams[seq_id] = TextStream(self.tokenizer, params.stop, prompt_ids, params.min_tokens)
+        self._streams[seq_id] = TextStream(
+            self.tokenizer, params.stop, prompt_ids, params.min_tokens, params.skip_special_tokens, params.include_stop_str_in_output
+        )
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[seq_id] = []
         return seq_id

@@ -39,6 +39,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # report each sampled token's log-probability, with this many alternatives
     prompt_logprobs: int | None = None  # report each prompt token's (from the second), with this many alternatives
+    # the text (the gateway's detokenization): special tokens write none; a stop string ends it, itself included or not
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first bad field."""

@@ -125,6 +125,8 @@ def params_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         min_p=p.min_p,
         min_tokens=p.min_tokens,
         logit_bias=dict(p.logit_bias),
+        skip_special_tokens=p.skip_special_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
     )
     for name in ("seed", "logprobs", "prompt_logprobs"):  # optional fields: None leaves them unset
         if (value := getattr(p, name)) is not None:
@@ -153,4 +155,6 @@ def params_from_proto(message: generate_pb2.SamplingParams, default_max_tokens: 
         logit_bias=tuple(sorted(message.logit_bias.items())),
         logprobs=get("logprobs", None),
         prompt_logprobs=get("prompt_logprobs", None),
+        skip_special_tokens=get("skip_special_tokens", d.skip_special_tokens),
+        include_stop_str_in_output=get("include_stop_str_in_output", d.include_stop_str_in_output),
     )

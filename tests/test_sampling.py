@@ -192,6 +192,18 @@ def test_text_stream_holds_back_and_cuts_at_stop_string(engine):
     plain = TextStream(tok)
     text = "".join(plain.update(ids[: i + 1]) for i in range(len(ids))) + plain.flush()
     assert text == "Hello there. STOP and more"
+    kept = TextStream(tok, stop=("STOP", "there"), include_stop=True)
+    assert "".join(kept.update(ids[: i + 1]) for i in range(len(ids))) == "Hello there"  # the first stop string, itself included
+
+
+def test_text_stream_writes_special_tokens_only_when_asked(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("Hi", add_special=False) + [tok.eos_id] + tok.encode(" you", add_special=False)
+    texts = []
+    for skip in (True, False):
+        stream = TextStream(tok, skip_special=skip)
+        texts.append("".join(stream.update(ids[: i + 1]) for i in range(len(ids))) + stream.flush())
+    assert texts == ["Hi you", "Hi" + tok.decode([tok.eos_id], skip_special=False) + " you"]
 
 
 def test_text_stream_never_splits_utf8(engine):

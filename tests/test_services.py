@@ -4,6 +4,7 @@ client, a gRPC client generated from proto/, and raw HTTP for the error cases.""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import signal
@@ -20,8 +21,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving_cluster import ServingCluster
 
 from pulseinfer.gpu_worker.forward import dense_forward
+from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
+from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.request import SamplingParams
 
 API_KEY = "test-key"
@@ -263,7 +266,7 @@ def test_bench_serve_replays_a_trace(cluster, tmp_path):
 NOT_IMPLEMENTED = {
     "completions": {
         "best_of": 2, "suffix": "end", "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
-        "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": {}, "response_format": {"type": "json_object"},
+        "guided_json": {}, "response_format": {"type": "json_object"},
     },
     "chat": {
         "presence_penalty": 1.0, "frequency_penalty": -1.0,
@@ -318,6 +321,15 @@ def test_logit_bias_min_p_and_min_tokens_through_the_openai_client(client, engin
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 20
     longer = client.chat.completions.create(**chat, extra_body={"min_tokens": 20})
     assert longer.usage.completion_tokens >= 20 and longer.choices[0].message.content.startswith(short.choices[0].message.content)
+    # vLLM's detokenization options: the end-of-turn token's text, and the stop string kept
+    special = client.chat.completions.create(**chat, extra_body={"skip_special_tokens": False})
+    assert special.choices[0].message.content == short.choices[0].message.content + engine.tokenizer.decode(
+        [engine.tokenizer.eos_id], False
+    )
+    stop = greedy[3:7]
+    cut = client.completions.create(**{**base, "max_tokens": 12}, stop=[stop]).choices[0].text
+    kept = client.completions.create(**{**base, "max_tokens": 12}, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert cut == greedy[: greedy.index(stop)] and kept.choices[0].text == cut + stop
 
 
 def _model_logprobs(engine, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -391,8 +403,9 @@ LM_EVAL_TASK = Path(__file__).parent / "data" / "lm_eval"  # pulseinfer_facts: 1
 
 def test_lm_evaluation_harness_scores_a_loglikelihood_task_as_pulseinfer_eval_does(cluster, model, monkeypatch):
     """lm-eval's local-completions (echo + logprobs at every prompt token, its remote tokenizer on
-    /tokenize and /tokenizer_info) against the served cluster gives each choice the loglikelihood
-    `pulseinfer eval choice` computes in process, dense and pulse, and so the same accuracy."""
+    /tokenize and /tokenizer_info) against the served pulse cluster gives each choice the
+    loglikelihood `pulseinfer eval choice` computes in process, dense, and pulse scored by
+    teacher-forced decode steps; and so the same accuracy."""
     import lm_eval  # a test dependency: imported here, since importing it takes seconds
     from lm_eval.tasks import TaskManager
 
@@ -409,12 +422,22 @@ def test_lm_evaluation_harness_scores_a_loglikelihood_task_as_pulseinfer_eval_do
     samples = sorted(served["samples"]["pulseinfer_facts"], key=lambda s: s["doc_id"])
     served_lls = [[resp[0][0] for resp in sample["resps"]] for sample in samples]
     task = ChoiceConfig(file=LM_EVAL_TASK / "facts.jsonl")
-    for mode in ("dense", "pulse"):
-        in_process = evaluate("choice", EngineConfig(worker=WorkerConfig(mode=mode), host_kv_tokens=8192), task, loaded=model)
-        assert served["results"]["pulseinfer_facts"]["acc,none"] == in_process["accuracy"] > 0.5
-        assert [ll for lls in served_lls for ll in lls] == pytest.approx(
-            [ll for c in in_process["cases"] for ll in c["loglikelihoods"]], abs=1e-3
-        )
+    in_process = evaluate("choice", EngineConfig(worker=WorkerConfig(mode="dense")), task, loaded=model)
+    assert served["results"]["pulseinfer_facts"]["acc,none"] == in_process["accuracy"] > 0.5
+    assert [ll for lls in served_lls for ll in lls] == pytest.approx(
+        [ll for c in in_process["cases"] for ll in c["loglikelihoods"]], abs=1e-3
+    )
+    # teacher-forced decode steps of the offloaded pulse path from position 3 on: these prompts fit the
+    # device footprint of an offloaded request, so the sparse path attends everything and must agree
+    decoding = BatcherConfig(score_prompt_with="decode", score_from=3)
+    pulse = WorkerConfig(mode="pulse", offload=OffloadConfig(scorer="quest"))  # quest: no calibration pass to wait for
+    decoded = evaluate(
+        "choice", EngineConfig(worker=pulse, batcher=decoding, host_kv_tokens=8192), dataclasses.replace(task, limit=2), loaded=model
+    )
+    assert decoded["settings"]["score_prompt_with"] == "decode" and decoded["selection"]["decoded_rows"] > 0
+    assert [ll for lls in served_lls[:2] for ll in lls] == pytest.approx(
+        [ll for c in decoded["cases"] for ll in c["loglikelihoods"]], abs=1e-3
+    )
 
 
 def _prefix_hits(cluster) -> float:

@@ -263,8 +263,9 @@ class IncrementalDetokenizer:
 
     _CONTEXT = 4
 
-    def __init__(self, tokenizer: Tokenizer, context_ids: list[int] | None = None):
+    def __init__(self, tokenizer: Tokenizer, context_ids: list[int] | None = None, skip_special: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special = skip_special
         self._ids = list(context_ids[-self._CONTEXT :]) if context_ids else []
         self._num_context = len(self._ids)
         self._prefix_offset = 0
@@ -277,8 +278,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         self._ids.extend(token_ids)
-        before = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        after = self.tokenizer.decode(self._ids[self._prefix_offset :])
+        before = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self.skip_special)
+        after = self.tokenizer.decode(self._ids[self._prefix_offset :], self.skip_special)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""  # nothing printable yet, or an incomplete multi-byte character
         delta = after[len(before) :]
@@ -290,12 +291,22 @@ class IncrementalDetokenizer:
 
 class TextStream:
     """Incremental detokenization with stop strings: text is emitted only once it can no
-    longer turn out to be the start of a stop string, and ends before the first stop string.
-    The text of the first `min_tokens` tokens is never searched (vLLM's min_tokens)."""
+    longer turn out to be the start of a stop string, and ends before the first stop string
+    (`include_stop`: after it). The text of the first `min_tokens` tokens is never searched
+    (vLLM's min_tokens). `skip_special`: special tokens (end of turn, ...) write no text."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), context_ids: list[int] | None = None, min_tokens: int = 0):
-        self._detok = IncrementalDetokenizer(tokenizer, context_ids)
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...] = (),
+        context_ids: list[int] | None = None,
+        min_tokens: int = 0,
+        skip_special: bool = True,
+        include_stop: bool = False,
+    ):
+        self._detok = IncrementalDetokenizer(tokenizer, context_ids, skip_special)
         self.stops = stop
+        self.include_stop = include_stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.min_tokens = min_tokens
         self._searched_from: int | None = 0 if min_tokens == 0 else None  # None: short of min_tokens
@@ -314,10 +325,10 @@ class TextStream:
         self._detok.add(output_ids[self._detok.num_tokens :])
         text = self._detok.text
         start = max(self._searched_from, len(self.emitted) - self._hold)
-        hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
+        hits = [(i, i + len(s) if self.include_stop else i) for s in self.stops if (i := text.find(s, start)) >= 0]
         if hits:
             self.stopped = True
-            return self._emit(text[: min(hits)])
+            return self._emit(text[: min(hits)[1]])
         return self._emit(text[: len(text) - self._hold] if self._hold else text)
 
     def flush(self) -> str:
