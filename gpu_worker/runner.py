@@ -137,12 +137,14 @@ class ModelRunner:
         c, o = self.model_config, self.config.offload
         if o.scorer == "quest":
             return QuestScorer(c.num_kv_heads, c.head_dim)
-        started = time.perf_counter()
         rank = o.key_rank or c.head_dim // 4
-        bases = key_bases(self.model, calibration_ids(loaded.tokenizer, o.calibration_tokens), rank)[list(c.full_layers)]
-        seconds = time.perf_counter() - started
-        log.info("lowrank scorer: rank-%d key bases fitted on %d tokens in %.1f s", rank, o.calibration_tokens, seconds)
-        return LowRankScorer(bases)
+        fitted = ("key_bases", o.calibration_tokens, rank, self.dtype, self.device)
+        if fitted not in loaded.fitted:
+            started = time.perf_counter()
+            loaded.fitted[fitted] = key_bases(self.model, calibration_ids(loaded.tokenizer, o.calibration_tokens), rank)
+            seconds = time.perf_counter() - started
+            log.info("lowrank scorer: rank-%d key bases fitted on %d tokens in %.1f s", rank, o.calibration_tokens, seconds)
+        return LowRankScorer(loaded.fitted[fitted][list(c.full_layers)])
 
     def release_all(self, host_owners: Sequence[str] = ()) -> None:
         """Frees every request's device state and host blocks: the scheduler that planned them is gone.

@@ -67,10 +67,10 @@ def _one(client: openai.OpenAI, job: tuple[int, int, int, str]) -> str:
 def test_random_requests_aborts_and_disconnects_free_every_block(cluster, client):
     rng = random.Random(4)
     kinds = ["complete"] * 6 + ["disconnect"] * 2 + ["abort"] * 2
-    jobs = [(rng.randrange(len(TEXT) - 4000), rng.randrange(40, 3000), rng.randint(1, 12), rng.choice(kinds)) for _ in range(120)]
+    jobs = [(rng.randrange(len(TEXT) - 4000), rng.randrange(40, 3000), rng.randint(1, 12), rng.choice(kinds)) for _ in range(64)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         done = list(pool.map(lambda job: _one(client, job), jobs))
-    assert len(done) == 120
+    assert len(done) == 64
     assert cluster.metric("offloaded_admissions_total", worker="0") > 0  # the small device pool forced offloading
     assert cluster.metric("recall_units_total", worker="0") > 0  # offloaded decode steps recalled blocks ...
     assert cluster.metric("recall_bytes_total", worker="0") == cluster.metric("recall_units_total", worker="0") * UNIT_BYTES

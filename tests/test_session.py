@@ -63,7 +63,7 @@ class FakeCore:
 class LetterTokenizer:
     """Token i is the letter chr(97 + i)."""
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return "".join(chr(97 + i) for i in ids)
 
 

@@ -13,7 +13,7 @@ import re
 import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,9 @@ class LoadedModel:
     weights: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     source: Path
+    # what runners fit on these weights, by what it is (the lowrank scorer's key bases): the engines a
+    # bench, an eval or a test makes on one loaded model fit it once
+    fitted: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 def load_model(path: str | Path | None = None, load_format: str = "auto") -> LoadedModel:
