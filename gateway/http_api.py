@@ -19,10 +19,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, Prompt, key_matches
+from pulseinfer.gateway.logprobs import NO_LOGPROBS, ChoiceView, LogprobFormat
 from pulseinfer.gateway.openai_api import (
     ApiError,
     ChoiceOutput,
-    LogprobFormat,
     ParsedRequest,
     ResponseShape,
     finish_reason,
@@ -31,7 +31,6 @@ from pulseinfer.gateway.openai_api import (
     parse_completion,
     parse_detokenize,
     parse_tokenize,
-    token_rows,
 )
 from pulseinfer.scheduler.plan import Logprobs
 from pulseinfer.scheduler.request import check_token_ids
@@ -274,7 +273,7 @@ class HttpApi:
         outputs = [dataclasses.replace(out, text=choice.echoed + out.text) for choice, out in zip(choices, outputs)]
         body = shape.full(outputs, n, {c.index: view.logprobs(c, out) for c, out in zip(choices, outputs)})
         if view.prompt_logprobs:  # vLLM's extension: per choice on completions, per response on chat
-            scored = [view.format.prompt(c.prompt_ids, out.prompt_logprobs or _NONE) for c, out in zip(choices, outputs)]
+            scored = [view.format.prompt(c.prompt_ids, out.prompt_logprobs or NO_LOGPROBS) for c, out in zip(choices, outputs)]
             if shape.chat:
                 body["prompt_logprobs"] = scored[0]
             else:
@@ -335,72 +334,6 @@ class Choice:
     events: AsyncIterator[Delta | Final]
     prompt_ids: tuple[int, ...]
     echoed: str  # the text an echoing completion begins with ("" without echo)
-
-
-_NONE = Logprobs([], [], 0, [], [])
-
-
-class ChoiceView:
-    """What of a choice's tokens' log-probabilities a request shows, and in which shape."""
-
-    def __init__(self, format: LogprobFormat, chat: bool, parsed: ParsedRequest):
-        self.format = format
-        self.chat = chat
-        self.echo = parsed.echo
-        self.token_logprobs = parsed.params.logprobs is not None
-        self.prompt_logprobs = parsed.params.prompt_logprobs is not None
-        self.reports = self.token_logprobs  # streamed chunks carry logprobs
-
-    def logprobs(self, choice: Choice, out: ChoiceOutput) -> dict | None:
-        """A whole choice's logprobs object (None when not asked): an echoing completion's begin with its prompt's."""
-        if not self.token_logprobs:
-            return None
-        rows = token_rows(out.logprobs, len(out.token_ids))
-        if self.chat:
-            return self.format.chat(out.token_ids, rows)
-        if not self.echo:
-            return self.format.completion(out.token_ids, rows, 0)
-        prompt = [None] + token_rows(out.prompt_logprobs or _NONE, 0)
-        return self.format.completion([*choice.prompt_ids, *out.token_ids], prompt + rows, 0)
-
-    def stream(self, choice: Choice) -> StreamedLogprobs:
-        return StreamedLogprobs(self, choice)
-
-
-class StreamedLogprobs:
-    """One streamed choice's logprobs, chunk by chunk: a completion's text offsets run on across
-    chunks, and an echoing one's prompt tokens come first (its first token's logprob null)."""
-
-    def __init__(self, view: ChoiceView, choice: Choice):
-        self.view = view
-        self.choice = choice
-        self.offset = 0
-        self.prompt_done = 0  # prompt tokens whose logprobs were streamed
-
-    def echo(self) -> dict | None:
-        """The echoed prompt's first token, whose logprob is null (the others follow as they are scored)."""
-        if not self.view.token_logprobs:
-            return None
-        return self._completion(list(self.choice.prompt_ids[:1]), [None])
-
-    def delta(self, event: Delta) -> dict | None:
-        if not self.view.token_logprobs:
-            return None
-        if event.prompt_logprobs is not None:
-            if not self.view.echo or self.view.chat:
-                return None
-            start = 1 + self.prompt_done
-            self.prompt_done += len(event.prompt_logprobs)
-            return self._completion(list(self.choice.prompt_ids[start : 1 + self.prompt_done]), event.prompt_logprobs.rows())
-        if not event.token_ids:
-            return None
-        rows = token_rows(event.logprobs, len(event.token_ids))
-        return self.view.format.chat(event.token_ids, rows) if self.view.chat else self._completion(event.token_ids, rows)
-
-    def _completion(self, ids: list[int], rows: list) -> dict:
-        body = self.view.format.completion(ids, rows, self.offset)
-        self.offset += sum(len(t) for t in body["tokens"])
-        return body
 
 
 async def _events_of(choice: Choice) -> AsyncIterator[Delta | Final]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -341,9 +340,6 @@ def _chat_content(content: Any, param: str) -> str:
 
 # ---------------------------------------------------------------- responses
 
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token the sampler could not pick (banned by min_tokens) reports this, as vLLM's does
-TokenRow = tuple[float, int, list[tuple[int, float]]] | None  # Logprobs.rows() of a token; None: it has none (a prompt's first)
-
 
 @dataclass(frozen=True)
 class ChoiceOutput:
@@ -354,57 +350,6 @@ class ChoiceOutput:
     logprobs: Logprobs | None
     prompt_logprobs: Logprobs | None
     final: Final
-
-
-class LogprobFormat:
-    """Token log-probabilities in the three shapes clients read: the legacy completions object
-    (tokens, token_logprobs, top_logprobs, text_offset), chat's content list, and vLLM's prompt_logprobs.
-    A top list holds the token's own entry as well as its alternatives (as vLLM's and OpenAI's do)."""
-
-    def __init__(self, token_text: Callable[[int], str]):
-        self.text = token_text  # one token's text (special tokens shown)
-
-    def completion(self, ids: list[int], rows: list[TokenRow], offset: int) -> dict:
-        """`offset`: where the first token's text starts in the choice's text."""
-        texts = [self.text(t) for t in ids]
-        offsets = []
-        for text in texts:
-            offsets.append(offset)
-            offset += len(text)
-        return {
-            "tokens": texts,
-            "token_logprobs": [None if row is None else _floor(row[0]) for row in rows],
-            "top_logprobs": [
-                None if row is None else {self.text(t): _floor(lp) for t, lp in [(i, row[0]), *row[2]]} for i, row in zip(ids, rows)
-            ],
-            "text_offset": offsets,
-        }
-
-    def chat(self, ids: list[int], rows: list[TokenRow]) -> dict:
-        return {
-            "content": [{**self._entry(i, row[0]), "top_logprobs": [self._entry(t, lp) for t, lp in row[2]]} for i, row in zip(ids, rows)]
-        }
-
-    def prompt(self, ids: tuple[int, ...], logprobs: Logprobs) -> list:
-        """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
-        out: list = [None]
-        for token, (lp, rank, top) in zip(ids[1:], logprobs.rows()):
-            entries = {str(t): {"logprob": _floor(v), "rank": r, "decoded_token": self.text(t)} for r, (t, v) in enumerate(top, 1)}
-            entries[str(token)] = {"logprob": _floor(lp), "rank": rank, "decoded_token": self.text(token)}
-            out.append(entries)
-        return out
-
-    def _entry(self, token: int, logprob: float) -> dict:
-        text = self.text(token)
-        return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode("utf-8", "replace"))}
-
-
-def _floor(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
-
-
-def token_rows(logprobs: Logprobs | None, count: int) -> list[TokenRow]:
-    return logprobs.rows() if logprobs is not None else [None] * count
 
 
 def usage(finals: list[Final], n: int) -> dict:
