@@ -271,7 +271,7 @@ class HttpApi:
         if failed := next((out.final for out in outputs if out.final.finish_reason == "error"), None):
             return error_response(ApiError(503, failed.error, code="worker_failed"))
         outputs = [dataclasses.replace(out, text=choice.echoed + out.text) for choice, out in zip(choices, outputs)]
-        body = shape.full(outputs, n, {c.index: view.logprobs(c, out) for c, out in zip(choices, outputs)})
+        body = shape.full(outputs, n, {c.index: view.logprobs(c.prompt_ids, out) for c, out in zip(choices, outputs)})
         if view.prompt_logprobs:  # vLLM's extension: per choice on completions, per response on chat
             scored = [view.format.prompt(c.prompt_ids, out.prompt_logprobs or NO_LOGPROBS) for c, out in zip(choices, outputs)]
             if shape.chat:
@@ -295,7 +295,7 @@ class HttpApi:
     async def _sse(self, shape: ResponseShape, choices: list[Choice], parsed: ParsedRequest, view: ChoiceView):
         # a client that disconnects closes this generator, which closes every stream (core.generate aborts its request)
         text_lines = {choice.index: _text_line_template(shape, choice.index) for choice in choices}
-        streams = {choice.index: view.stream(choice) for choice in choices}
+        streams = {choice.index: view.stream(choice.prompt_ids) for choice in choices}
         finals: dict[int, Final] = {}
         merged = _merged(choices)
         try:

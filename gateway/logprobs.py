@@ -4,14 +4,10 @@ content list and vLLM's prompt_logprobs, for a whole choice or chunk by chunk as
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from pulseinfer.gateway.core import Delta
 from pulseinfer.gateway.openai_api import ChoiceOutput, ParsedRequest
 from pulseinfer.scheduler.plan import Logprobs
-
-if TYPE_CHECKING:
-    from pulseinfer.gateway.http_api import Choice
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token the sampler could not pick (banned by min_tokens) reports this, as vLLM's does
 TokenRow = tuple[float, int, list[tuple[int, float]]] | None  # Logprobs.rows() of a token; None: it has none (a prompt's first)
@@ -82,7 +78,7 @@ class ChoiceView:
         self.prompt_logprobs = parsed.params.prompt_logprobs is not None
         self.reports = self.token_logprobs  # streamed chunks carry logprobs
 
-    def logprobs(self, choice: Choice, out: ChoiceOutput) -> dict | None:
+    def logprobs(self, prompt_ids: tuple[int, ...], out: ChoiceOutput) -> dict | None:
         """A whole choice's logprobs object (None when not asked): an echoing completion's begin with its prompt's."""
         if not self.token_logprobs:
             return None
@@ -92,19 +88,19 @@ class ChoiceView:
         if not self.echo:
             return self.format.completion(out.token_ids, rows, 0)
         prompt = [None] + token_rows(out.prompt_logprobs or NO_LOGPROBS, 0)
-        return self.format.completion([*choice.prompt_ids, *out.token_ids], prompt + rows, 0)
+        return self.format.completion([*prompt_ids, *out.token_ids], prompt + rows, 0)
 
-    def stream(self, choice: Choice) -> StreamedLogprobs:
-        return StreamedLogprobs(self, choice)
+    def stream(self, prompt_ids: tuple[int, ...]) -> StreamedLogprobs:
+        return StreamedLogprobs(self, prompt_ids)
 
 
 class StreamedLogprobs:
     """One streamed choice's logprobs, chunk by chunk: a completion's text offsets run on across
     chunks, and an echoing one's prompt tokens come first (its first token's logprob null)."""
 
-    def __init__(self, view: ChoiceView, choice: Choice):
+    def __init__(self, view: ChoiceView, prompt_ids: tuple[int, ...]):
         self.view = view
-        self.choice = choice
+        self.prompt_ids = prompt_ids
         self.offset = 0
         self.prompt_done = 0  # prompt tokens whose logprobs were streamed
 
@@ -112,7 +108,7 @@ class StreamedLogprobs:
         """The echoed prompt's first token, whose logprob is null (the others follow as they are scored)."""
         if not self.view.token_logprobs:
             return None
-        return self._completion(list(self.choice.prompt_ids[:1]), [None])
+        return self._completion(list(self.prompt_ids[:1]), [None])
 
     def delta(self, event: Delta) -> dict | None:
         if not self.view.token_logprobs:
@@ -122,7 +118,7 @@ class StreamedLogprobs:
                 return None
             start = 1 + self.prompt_done
             self.prompt_done += len(event.prompt_logprobs)
-            return self._completion(list(self.choice.prompt_ids[start : 1 + self.prompt_done]), event.prompt_logprobs.rows())
+            return self._completion(list(self.prompt_ids[start : 1 + self.prompt_done]), event.prompt_logprobs.rows())
         if not event.token_ids:
             return None
         rows = token_rows(event.logprobs, len(event.token_ids))
