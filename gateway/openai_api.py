@@ -26,8 +26,6 @@ from pulseinfer.scheduler.request import MAX_STOP_STRINGS, SamplingParams
 # accepted only at the value that asks for nothing: anything else is refused, naming the field
 NEUTRAL = {
     "best_of": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -85,6 +83,7 @@ class _Request(_Body):
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob, with this many alternatives
     skip_special_tokens: bool | None = None  # vLLM's extensions, as include_stop_str_in_output
@@ -263,6 +262,9 @@ def _parsed(
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=_or(request.skip_special_tokens, True),
         include_stop_str_in_output=_or(request.include_stop_str_in_output, False),
+        presence_penalty=_or(request.presence_penalty, 0.0),
+        frequency_penalty=_or(request.frequency_penalty, 0.0),
+        repetition_penalty=_or(request.repetition_penalty, 1.0),
     )
     stream = _or(request.stream, False)
     if stream and request.prompt_logprobs is not None:

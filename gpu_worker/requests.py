@@ -106,6 +106,8 @@ class RequestTable:
                 continue
             entry.known += 1
             entry.last = sampled.token_id
+            if entry.sampling.history is not None:
+                entry.sampling.history.outputs.append(sampled.token_id)
             entry.sampling = entry.sampling.next()
             entry.ended = sampled.token_id in entry.stops
             handles.append(handle)

@@ -1,21 +1,22 @@
 """Token selection: greedy, or temperature / min-p / top-k / top-p (vLLM's order) with a per-token
-seeded generator, after each row's logit_bias and, before its min_tokens, its stop tokens banned.
+seeded generator, after each row's logit_bias, its stop tokens banned before its min_tokens, and
+its presence, frequency and repetition penalties (vLLM V1's order). Every step is batched in torch:
+a row's parameters are columns of the step's tensors, so no row's parameters reach another's tokens.
 
 Log-probabilities: a sampled token's are of the logits the sampler drew from after logit_bias, the
-min_tokens bans and temperature (a greedy row's unscaled), before min-p, top-k and top-p; a prompt
+min_tokens bans, the penalties and temperature (a greedy row's unscaled), before min-p, top-k and top-p; a prompt
 token's are of the model's raw logits (no sampling parameter applies to a prompt). vLLM V0's choice,
 and the one under which a temperature-0 request's logprobs are the model's log-softmax.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from pulseinfer.common.syncs import to_device, to_host
-from pulseinfer.scheduler.plan import Logprobs, SamplingSpec
+from pulseinfer.scheduler.plan import PENALTIES, Logprobs, SamplingSpec, TokenHistory
 
 _SEED_STRIDE = 1_000_003  # distinct generator seeds per (request seed, token index)
 # Below this a temperature is greedy: dividing by it only overflows, and the distribution it
@@ -44,16 +45,16 @@ def sample_with_logprobs(logits: torch.Tensor, specs: list[SamplingSpec]) -> tup
     that sample, and the log-probabilities, in one transfer."""
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(specs)} sampling specs")
-    logits = _biased(logits, specs)
+    logits = _penalized(_biased(logits, specs), specs)
     sampled = [i for i, spec in enumerate(specs) if spec.temperature >= _SAMPLING_EPS]
     reported = [i for i, spec in enumerate(specs) if spec.logprobs]
     argmax = logits.argmax(dim=-1)
     # amax propagates NaN, so this one check catches NaN, all -inf and +inf rows (whose distributions go unused)
-    reads = [argmax, torch.isfinite(logits.amax(dim=-1))] + [_probs(logits[i], specs[i]) for i in sampled]
+    reads = [argmax, torch.isfinite(logits.amax(dim=-1))] + ([_distributions(logits, specs, sampled)] if sampled else [])
     report = _report_reads(logits, argmax, specs, reported, set(sampled)) if reported else []
     greedy, finite, *rest = to_host(reads + report)
-    probs, report = rest[: len(sampled)], rest[len(sampled) :]
-    tokens = _tokens(specs, greedy, finite, dict(zip(sampled, probs)))
+    probs, report = (rest[0], rest[1:]) if sampled else (None, rest)
+    tokens = _tokens(specs, greedy, finite, {i: probs[j] for j, i in enumerate(sampled)})
     return tokens, _reported(specs, tokens, reported, set(sampled), report)
 
 
@@ -143,22 +144,72 @@ def _biased(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
     return logits.float().index_put((index[0], index[1]), index[2], accumulate=True)
 
 
-def _probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
-    """The distribution a row samples from, on the logits' device. With a finite maximum the scaled
-    row has a 0 at the top and <= 0 (or -inf) elsewhere: softmax of it is a valid distribution for any temperature."""
-    logits = logits.float()
-    scaled = (logits - logits.max()) / min(spec.temperature, _MAX_TEMPERATURE)
-    if spec.min_p > 0:  # p / p_max = exp(scaled): keep p >= min_p * p_max
-        scaled = scaled.masked_fill(scaled < math.log(spec.min_p), float("-inf"))
-    if 0 < spec.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, spec.top_k).values[-1]
+def _penalized(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """The logits with the penalized rows' penalties applied, as vLLM applies them: the repetition
+    penalty to the tokens of the prompt or the output, then frequency x count and presence to those
+    of the output. Each history's tokens are kept on the device (TokenHistory.cache) and grow by the
+    tokens sampled since the last step, so a step sends only those."""
+    rows = [i for i, spec in enumerate(specs) if spec.history is not None]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    penalized = [specs[i] for i in rows]
+    values = [torch.tensor([getattr(s, name) for s in penalized], dtype=torch.float32)[:, None] for name in PENALTIES]
+    row, presence, frequency, repetition = to_device([torch.tensor(rows)] + values, device)
+    prompts, outputs = zip(*(_history_on(spec.history, device) for spec in penalized))
+    counts = _scattered(outputs, vocab, device)
+    seen = counts > 0
+    chosen = logits[row].float()
+    if any(spec.repetition_penalty != 1 for spec in penalized):
+        repeated = seen | (_scattered(prompts, vocab, device) > 0)
+        chosen = torch.where(repeated, torch.where(chosen > 0, chosen / repetition, chosen * repetition), chosen)
+    chosen = chosen - frequency * counts - presence * seen
+    return logits.float().index_copy(0, row, chosen)
+
+
+def _history_on(history: TokenHistory, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A history's prompt and output tokens on the device, the outputs brought up to date."""
+    prompt, outputs = history.cache.get(device) or (to_device([torch.tensor(history.prompt, dtype=torch.long)], device)[0], None)
+    synced = 0 if outputs is None else len(outputs)
+    if outputs is None or synced < len(history.outputs):
+        new = to_device([torch.tensor(history.outputs[synced:], dtype=torch.long)], device)[0]
+        outputs = new if outputs is None else torch.cat([outputs, new])
+        history.cache[device] = (prompt, outputs)
+    return prompt, outputs
+
+
+def _scattered(ids: tuple[torch.Tensor, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] counts of each row's token ids, in one scatter."""
+    lengths = [len(t) for t in ids]
+    repeats = to_device([torch.tensor(lengths)], device)[0]
+    row = torch.repeat_interleave(torch.arange(len(ids), device=device), repeats, output_size=sum(lengths))
+    counts = torch.zeros(len(ids), vocab, device=device)
+    return counts.index_put_((row, torch.cat(ids)), torch.ones(sum(lengths), device=device), accumulate=True)
+
+
+def _distributions(logits: torch.Tensor, specs: list[SamplingSpec], sampled: list[int]) -> torch.Tensor:
+    """The distributions the sampled rows draw from, [rows, vocab] on the logits' device. With a finite
+    maximum a scaled row has a 0 at the top and <= 0 (or -inf) elsewhere: its softmax is a valid
+    distribution for any temperature. A row whose top_k or top_p asks for nothing is left whole."""
+    chosen = [specs[i] for i in sampled]
+    vocab = logits.shape[-1]
+    top_k = [s.top_k if 0 < s.top_k < vocab else vocab for s in chosen]  # vocab: keeps every token
+    floats = [[min(s.temperature, _MAX_TEMPERATURE) for s in chosen], [s.min_p for s in chosen], [s.top_p for s in chosen]]
+    columns = [torch.tensor(sampled), torch.tensor(top_k)[:, None]] + [torch.tensor(c, dtype=torch.float32)[:, None] for c in floats]
+    row, top_k_at, temperature, min_p, top_p = to_device(columns, logits.device)
+    rows = logits[row].float()
+    scaled = (rows - rows.amax(dim=-1, keepdim=True)) / temperature
+    # p / p_max = exp(scaled): keep p >= min_p * p_max (log 0 = -inf: a row without min_p keeps all)
+    scaled = scaled.masked_fill(scaled < torch.log(min_p), float("-inf"))
+    if min(top_k) < vocab:
+        kth = scaled.topk(max(top_k), dim=-1).values.gather(1, top_k_at - 1)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if spec.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= spec.top_p
-        drop[0] = False  # the top token always stays, even when top_p rounds to 0 in float32
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if any(s.top_p < 1.0 for s in chosen):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p; the top token always stays (top_p may
+        # round to 0 in float32), and a row with top_p 1 keeps all (its sum may round past 1 early)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
+        drop[:, 0] = False
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field, fields
 
 # SamplingSpec, Chunk and SampledToken, built per request per step, are slotted and not frozen: a
@@ -25,13 +26,38 @@ class SamplingSpec:
     bias_values: tuple[float, ...] = ()
     logprobs: bool = False  # report the sampled token's log-probability
     top_logprobs: int = 0  # with this many of the likeliest tokens'
+    # vLLM's penalties: the generated tokens' logits less presence + frequency x count; a token of
+    # the prompt or the output has its logit divided by repetition_penalty (multiplied, when negative)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    history: TokenHistory | None = None  # only when a penalty is on
 
     def next(self) -> SamplingSpec:
         """The spec of the token after this one."""
         return SamplingSpec(
             self.temperature, self.top_p, self.top_k, self.seed, self.step + 1,
             self.min_p, self.min_tokens, self.stop_ids, self.bias_ids, self.bias_values, self.logprobs, self.top_logprobs,
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.history,
         )  # fmt: skip
+
+    @property
+    def penalized(self) -> bool:
+        return self.history is not None
+
+
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # SamplingParams' and SamplingSpec's
+
+
+@dataclass(eq=False, slots=True)
+class TokenHistory:
+    """The tokens a penalized request's penalties look at, shared by its specs: the prompt's (for the
+    repetition penalty; empty without it) and the generated ones, which its owner appends as they are
+    sampled. `cache`: the sampler's device copies of them, kept here so they die with the request."""
+
+    prompt: tuple[int, ...]
+    outputs: array[int]
+    cache: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)

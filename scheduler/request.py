@@ -8,7 +8,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pulseinfer.scheduler.plan import Logprobs, SamplingSpec
+from pulseinfer.scheduler.plan import PENALTIES, Logprobs, SamplingSpec, TokenHistory
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
@@ -42,6 +42,13 @@ class SamplingParams:
     # the text (the gateway's detokenization): special tokens write none; a stop string ends it, itself included or not
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # in [-2, 2], as OpenAI's and vLLM's
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 0; 1: off
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first bad field."""
@@ -67,6 +74,11 @@ class SamplingParams:
         check_token_ids([token for token, _ in self.logit_bias], vocab_size, "logit_bias token ids")
         if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
             raise ValueError("logit_bias names a token twice")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -111,6 +123,7 @@ class Sequence:
     block_names: tuple[bytes, ...] = ()  # prefix-cache names of its leading full blocks
     num_named: int = 0  # leading blocks the prefix cache has been given since it last started
     num_prompt_scored: int = 0  # prompt tokens (from the second) whose logprobs have been reported, with prompt_logprobs
+    history: TokenHistory | None = None  # with a penalty: what its sampling specs share
     host_cached_blocks: int | None = None  # of its prefix, cached in the host tier when admission first asked
     # while it runs: its admission's handle on its worker, the blocks of its table the worker has, and
     # (offloaded, host prefix cache on) its leading blocks whose names the worker has been given
@@ -182,4 +195,15 @@ class Sequence:
             spec.bias_ids, spec.bias_values = map(tuple, zip(*p.logit_bias))
         if p.logprobs is not None:
             spec.logprobs, spec.top_logprobs = True, p.logprobs
+        if p.penalized:
+            for name in PENALTIES:
+                setattr(spec, name, getattr(p, name))
+            spec.history = self.token_history()
         return spec
+
+    def token_history(self) -> TokenHistory:
+        """Its penalties' history, made once: the outputs are its own list, appended as tokens come back."""
+        if self.history is None:
+            prompt = tuple(self.prompt_ids) if self.params.repetition_penalty != 1 else ()
+            self.history = TokenHistory(prompt, self.output_ids)
+        return self.history

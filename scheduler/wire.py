@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import asdict
 
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from pulseinfer.scheduler.plan import RECALL_FIELDS, Admission, Logprobs, RecallStats, SampledToken, SamplingSpec, StepPlan
+from pulseinfer.scheduler.plan import (
+    PENALTIES,
+    RECALL_FIELDS,
+    Admission,
+    Logprobs,
+    RecallStats,
+    SampledToken,
+    SamplingSpec,
+    StepPlan,
+    TokenHistory,
+)
 from pulseinfer.scheduler.request import SamplingParams
 
 
@@ -63,17 +74,30 @@ def _admission(a: Admission) -> worker_pb2.Admission:
 
 
 def sampling_to_proto(s: SamplingSpec) -> worker_pb2.SamplingSpec:
-    return worker_pb2.SamplingSpec(
+    message = worker_pb2.SamplingSpec(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step, min_p=s.min_p, min_tokens=s.min_tokens,
         stop_ids=s.stop_ids, bias_ids=s.bias_ids, bias_values=s.bias_values, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
     )  # fmt: skip
+    if s.history is not None:
+        message.penalized = True
+        for name in PENALTIES:
+            setattr(message, name, getattr(s, name))
+        message.history_prompt.extend(s.history.prompt)
+        message.history_outputs.extend(s.history.outputs)
+    return message
 
 
 def sampling_from_proto(s: worker_pb2.SamplingSpec) -> SamplingSpec:
-    return SamplingSpec(
+    """The spec; a penalized one with a history of its own, which its worker appends to."""
+    spec = SamplingSpec(
         s.temperature, s.top_p, s.top_k, s.seed, s.step, s.min_p, s.min_tokens, tuple(s.stop_ids), tuple(s.bias_ids),
         tuple(s.bias_values), s.logprobs, s.top_logprobs,
     )  # fmt: skip
+    if s.penalized:
+        for name in PENALTIES:
+            setattr(spec, name, getattr(s, name))
+        spec.history = TokenHistory(tuple(s.history_prompt), array("q", s.history_outputs))
+    return spec
 
 
 def tokens_from_result(seq_ids: dict[int, str], result: worker_pb2.StepResult) -> list[SampledToken]:
@@ -127,6 +151,7 @@ def params_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         logit_bias=dict(p.logit_bias),
         skip_special_tokens=p.skip_special_tokens,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        **{name: getattr(p, name) for name in PENALTIES},
     )
     for name in ("seed", "logprobs", "prompt_logprobs"):  # optional fields: None leaves them unset
         if (value := getattr(p, name)) is not None:
@@ -157,4 +182,5 @@ def params_from_proto(message: generate_pb2.SamplingParams, default_max_tokens: 
         prompt_logprobs=get("prompt_logprobs", None),
         skip_special_tokens=get("skip_special_tokens", d.skip_special_tokens),
         include_stop_str_in_output=get("include_stop_str_in_output", d.include_stop_str_in_output),
+        **{name: get(name, getattr(d, name)) for name in PENALTIES},
     )

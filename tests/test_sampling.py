@@ -1,12 +1,15 @@
 import math
+from array import array
 
 import pytest
 import torch
 
 from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gpu_worker.sampler import UNSAMPLEABLE, sample, sample_with_logprobs
-from pulseinfer.scheduler.plan import Logprobs, SamplingSpec
+from pulseinfer.proto.pulseinfer.v1 import worker_pb2
+from pulseinfer.scheduler.plan import Logprobs, SamplingSpec, TokenHistory
 from pulseinfer.scheduler.request import FinishReason, SamplingParams, Sequence
+from pulseinfer.scheduler.wire import sampling_from_proto, sampling_to_proto
 
 
 def spec(**kw) -> SamplingSpec:
@@ -264,3 +267,61 @@ def test_prompt_logprobs_are_reported_once_per_position_across_chunks_and_a_rest
     assert seq.take_prompt_logprobs(0, scored(0, 6)).logprobs == [-5, -6]  # preempted: scored again from 0
     assert seq.take_prompt_logprobs(6, scored(6, 3)).logprobs == [-7, -8, -9]  # the chunk that samples
     assert not seq.scores_prompt and len(seq.take_prompt_logprobs(6, scored(6, 4))) == 0
+
+
+def penalized(prompt=(), outputs=(), presence=0.0, frequency=0.0, repetition=1.0, **kw) -> SamplingSpec:
+    history = TokenHistory(tuple(prompt), array("q", outputs))
+    return spec(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition, history=history, **kw)
+
+
+def test_penalties_are_vllms_formulas_and_touch_only_their_row():
+    """Logits (2, 1, -1, 0.5, 0), prompt (2,), outputs (1, 1, 3), repetition 2, frequency 0.25,
+    presence 0.5. By hand: token 0 unseen stays 2; token 1 (twice) 1/2 - 0.25*2 - 0.5 = -0.5; token 2
+    (prompt only, negative) -1*2 = -2; token 3 (once) 0.5/2 - 0.25 - 0.5 = -0.5; token 4 unseen 0.
+    The greedy logprobs report the penalized log-softmax; the row beside it has the raw one."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 0.0]]).repeat(2, 1)
+    specs = [
+        penalized((2,), (1, 1, 3), 0.5, 0.25, 2.0, temperature=0.0, logprobs=True, top_logprobs=5),
+        spec(temperature=0.0, logprobs=True, top_logprobs=5),
+    ]
+    _, (mine, neighbour) = sample_with_logprobs(logits, specs)
+    for report, row in ((mine, [2.0, -0.5, -2.0, -0.5, 0.0]), (neighbour, [2.0, 1.0, -1.0, 0.5, 0.0])):
+        expected = torch.log_softmax(torch.tensor(row), dim=-1)
+        assert dict(zip(report.top_ids, report.top_logprobs)) == pytest.approx(dict(enumerate(expected.tolist())), abs=1e-6)
+
+
+def test_penalties_follow_a_growing_history_and_a_wire_round_trip():
+    """Logits (3, 2.5): presence 1 moves greedy off token 0 once it has been sampled, frequency 0.3
+    only after it has been sampled twice (3 - 0.6 < 2.5); a repetition penalty of 1.25 turns a
+    prompt token's 3 into 2.4. The history sent to a worker (a re-admission's) keeps what it had."""
+    logits = torch.tensor([[3.0, 2.5]])
+    presence = penalized(presence=1.0, temperature=0.0)
+    assert sample(logits, [presence]) == [0]
+    presence.history.outputs.append(0)
+    assert sample(logits, [presence.next()]) == [1]
+    frequency = penalized(frequency=0.3, temperature=0.0)
+    for expected in (0, 0, 1):
+        (token,) = sample(logits, [frequency])
+        assert token == expected
+        frequency.history.outputs.append(token)
+    assert sample(logits, [penalized(prompt=(0,), repetition=1.25, temperature=0.0)]) == [1]
+    assert sample(logits, [penalized(prompt=(0,), repetition=1.1, temperature=0.0)]) == [0]  # 3 / 1.1 > 2.5
+    sent = sampling_from_proto(worker_pb2.SamplingSpec.FromString(sampling_to_proto(frequency).SerializeToString()))
+    assert (sent.history.prompt, list(sent.history.outputs)) == ((), [0, 0, 1]) and sent.frequency_penalty == pytest.approx(0.3)
+    assert sampling_from_proto(sampling_to_proto(spec())).history is None
+
+
+def test_a_batch_samples_each_row_as_it_would_alone():
+    """The batched distributions: rows with different temperature, top-k, top-p, min-p and penalties
+    draw, in one batch, the tokens each draws alone."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300) * 3
+    rows = [
+        dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8), dict(temperature=1.0, min_p=0.05),
+        dict(temperature=0.0), dict(temperature=1.0, top_k=40, top_p=0.9, min_p=0.01),
+    ]  # fmt: skip
+    for step in range(40):
+        specs = [spec(step=step, **row) for row in rows]
+        specs[1] = penalized(outputs=(3, 3, 7), presence=0.5, frequency=0.5, step=step, temperature=1.3, top_p=0.8)
+        alone = [sample(logits[i : i + 1], [s])[0] for i, s in enumerate(specs)]
+        assert sample(logits, specs) == alone

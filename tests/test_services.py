@@ -265,11 +265,9 @@ def test_bench_serve_replays_a_trace(cluster, tmp_path):
 # it, and the extensions of other servers: each must be refused with a 400 naming it, never ignored
 NOT_IMPLEMENTED = {
     "completions": {
-        "best_of": 2, "suffix": "end", "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
-        "guided_json": {}, "response_format": {"type": "json_object"},
+        "best_of": 2, "suffix": "end", "guided_json": {}, "response_format": {"type": "json_object"},
     },
     "chat": {
-        "presence_penalty": 1.0, "frequency_penalty": -1.0,
         "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"},
         "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
@@ -291,7 +289,15 @@ def test_every_field_not_implemented_is_refused_naming_it_and_neutral_or_ignored
             create(**base, extra_body={name: value})
         assert refused.value.body["param"] == name and name in refused.value.body["message"], (name, refused.value.body)
     plain = create(**base)
-    neutral = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "user": "u-1", "metadata": {"run": "1"}}
+    neutral = {
+        "n": 1,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "repetition_penalty": 1,
+        "logit_bias": {},
+        "user": "u-1",
+        "metadata": {"run": "1"},
+    }
     neutral |= {"echo": False, "best_of": 1} if kind == "completions" else {"logprobs": False, "tools": [], "parallel_tool_calls": True}
     neutral |= {"store": False, "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "s"}
     same = create(**base, extra_body=neutral)
@@ -330,6 +336,49 @@ def test_logit_bias_min_p_and_min_tokens_through_the_openai_client(client, engin
     cut = client.completions.create(**{**base, "max_tokens": 12}, stop=[stop]).choices[0].text
     kept = client.completions.create(**{**base, "max_tokens": 12}, stop=[stop], extra_body={"include_stop_str_in_output": True})
     assert cut == greedy[: greedy.index(stop)] and kept.choices[0].text == cut + stop
+
+
+def _penalized_greedy(engine, prompt_ids: list[int], steps: int, presence=0.0, frequency=0.0, repetition=1.0) -> list[int]:
+    """Greedy decoding with vLLM's penalties written out by hand over the model's raw logits."""
+    out: list[int] = []
+    for _ in range(steps):
+        hidden, _ = dense_forward(engine.runner.model, prompt_ids + out)
+        logits = engine.runner.model.logits(hidden[-1:]).float()[0]
+        for token in set(prompt_ids) | set(out):
+            if repetition != 1:
+                logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
+            count = out.count(token)
+            logits[token] -= frequency * count + (presence if count else 0.0)
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_presence_frequency_and_repetition_penalties_through_the_openai_client(client, engine, stub):
+    """Each penalty, greedy, over HTTP (completions and chat), gRPC and in process, equals greedy
+    decoding with the penalty computed by hand from the model's logits, and changes what plain greedy writes."""
+    tok = engine.tokenizer
+    prompt = "one two one two one two one two"
+    prompt_ids = tok.encode(prompt)
+    plain = _penalized_greedy(engine, prompt_ids, 10)
+    for penalty in ({"presence": 1.5}, {"frequency": 0.7}, {"repetition": 1.3}):
+        expected = _penalized_greedy(engine, prompt_ids, 10, **penalty)
+        assert expected != plain, penalty  # the test could fail: the penalty changes the text
+        fields = {f"{name}_penalty": value for name, value in penalty.items()}
+        got = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=0, extra_body=fields | {"ignore_eos": True}
+        )
+        assert got.choices[0].logprobs.tokens == [tok.decode([t], skip_special=False) for t in expected], penalty
+        sampling = generate_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, **fields)
+        reply = list(stub[0].Generate(generate_pb2.GenerateRequest(text=prompt, sampling=sampling), metadata=AUTH))
+        assert "".join(r.chunk.text for r in reply[:-1]) == tok.decode(expected), penalty
+        (local,) = engine.generate([prompt_ids], SamplingParams(max_tokens=10, ignore_eos=True, **fields))
+        assert local.token_ids == expected, penalty
+    chat_ids = tok.encode(tok.render_chat(CHAT), add_special=False)
+    expected = _penalized_greedy(engine, chat_ids, 6, frequency=1.0, presence=0.5)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, temperature=0, frequency_penalty=1.0, presence_penalty=0.5
+    )
+    assert chat.choices[0].message.content == tok.decode(expected[: chat.usage.completion_tokens])
 
 
 def _model_logprobs(engine, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
