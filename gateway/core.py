@@ -9,11 +9,13 @@ import hmac
 import time
 import uuid
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
+from pulseinfer.common.grammar import GrammarTokenizer, structured_grammar
 from pulseinfer.common.model.meta import ModelMeta
 from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gateway.metrics import GatewayMetrics
@@ -52,7 +54,9 @@ class Prompt:
 
     text: str | None = None
     token_ids: list[int] | None = None
-    chat: list[dict[str, str]] | None = None
+    chat: list[dict[str, Any]] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None  # a chat's tools, for its template
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,17 @@ def _joined(messages: list[generate_pb2.ScheduleResponse], field: str) -> Logpro
 
 
 class GatewayCore:
-    def __init__(self, meta: ModelMeta, model_id: str, scheduler: generate_pb2_grpc.SchedulerStub, metrics: GatewayMetrics):
+    def __init__(
+        self,
+        meta: ModelMeta,
+        model_id: str,
+        scheduler: generate_pb2_grpc.SchedulerStub,
+        metrics: GatewayMetrics,
+        grammars: Callable[[], GrammarTokenizer] | None = None,
+    ):
+        """`grammars`: what structured outputs' grammars are checked with (None: they are refused)."""
         self.meta = meta
+        self.grammars = grammars
         self.tokenizer = meta.tokenizer
         self.model_id = model_id
         self.scheduler = scheduler
@@ -110,8 +123,12 @@ class GatewayCore:
         if prompt.token_ids is not None:
             return prompt.token_ids
         if prompt.chat is not None:  # the template writes any BOS it wants
-            return await self.encode(self.tokenizer.render_chat(prompt.chat), add_special=False)
+            return await self.encode(self.render_chat(prompt), add_special=False)
         return await self.encode(prompt.text, add_special=True)
+
+    def render_chat(self, prompt: Prompt, add_generation_prompt: bool = True) -> str:
+        """A chat prompt's text; raises ValueError for one its template refuses."""
+        return self.tokenizer.render_chat(prompt.chat, add_generation_prompt, prompt.tools, prompt.template_kwargs)
 
     async def encode(self, text: str, add_special: bool) -> list[int]:
         """A text's ids, tokenized on a thread; a text too long to fit the context whatever its
@@ -139,6 +156,10 @@ class GatewayCore:
             )
         params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         params.validate(vocab)
+        if params.structured is not None:  # a bad grammar is refused here, before it is queued
+            if self.grammars is None:
+                raise ValueError("this server does not serve structured outputs")
+            self.grammars().check(structured_grammar(*params.structured))
         return Prepared(uuid.uuid4().hex, tuple(prompt_ids), params)  # unguessable: no client can name another's request
 
     async def generate(self, request: Prepared) -> AsyncIterator[Delta | Final]:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pulseinfer.gateway.chat_parsers import PARSERS, ChatOutput, ChatParser, prompt_opens_think
 from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, Prompt, key_matches
 from pulseinfer.gateway.logprobs import NO_LOGPROBS, ChoiceView, LogprobFormat
 from pulseinfer.gateway.openai_api import (
@@ -38,6 +39,7 @@ from pulseinfer.scheduler.request import check_token_ids
 MAX_REQUEST_BYTES = 2 << 20  # a prompt filling a 32k context is well under 1 MiB of JSON
 _to_json = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps with options builds an encoder per call
 _TEXT_MARK = "\x00text\x00"
+_THINK_TAIL_TOKENS = 16  # a prompt's last tokens, where a template's generation prompt opens (or closes) a <think>
 GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.NOT_FOUND: 404,
@@ -57,8 +59,16 @@ def generation_error(error: GenerationError) -> ApiError:
 
 
 class HttpApi:
-    def __init__(self, core: GatewayCore, api_key: str | None, default_max_tokens: int, max_request_bytes: int = MAX_REQUEST_BYTES):
+    def __init__(
+        self,
+        core: GatewayCore,
+        api_key: str | None,
+        default_max_tokens: int,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        chat_parser: ChatParser = PARSERS["none"],
+    ):
         self.core = core
+        self.chat_parser = chat_parser
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
         self.max_request_bytes = max_request_bytes
@@ -132,7 +142,7 @@ class HttpApi:
             self._require_key(request)
             body = parse_body(await read_body(request, self.max_request_bytes))
             self._check_model(body)
-            what = parse_tokenize(body, self.core.tokenizer.render_chat)
+            what = parse_tokenize(body, self.core.render_chat)
             ids = await self.core.encode(what.text, what.add_special)
         except ValueError as e:
             return error_response(ApiError(400, str(e)))
@@ -180,9 +190,19 @@ class HttpApi:
             return error_response(e)
         shape = ResponseShape(chat, self.core.model_id, choices[0].request_id)
         view = ChoiceView(self.logprob_format, chat, parsed)
+        output = self._chat_output(parsed, choices[0].prompt_ids) if chat else None
         if parsed.stream:
-            return StreamingResponse(self._sse(shape, choices, parsed, view), media_type="text/event-stream")
-        return await self._until_done_or_disconnect(request, self._collect(shape, choices, parsed.n, view))
+            return StreamingResponse(self._sse(shape, choices, parsed, view, output), media_type="text/event-stream")
+        return await self._until_done_or_disconnect(request, self._collect(shape, choices, parsed.n, view, output))
+
+    def _chat_output(self, parsed: ParsedRequest, prompt_ids: tuple[int, ...]) -> ChatOutput | None:
+        """How a chat's choices divide (None: all content). Whether the prompt left a <think> open is
+        read from its last tokens: the template's generation prompt ends it."""
+        think_open = None
+        if self.chat_parser.reasoning:
+            think_open = prompt_opens_think(self.core.tokenizer.decode(list(prompt_ids[-_THINK_TAIL_TOKENS:]), skip_special=False))
+        output = ChatOutput(self.chat_parser, parsed.tool_calls, think_open, parsed.forced)
+        return output if output.divides else None
 
     async def _start(self, parsed: ParsedRequest) -> list[Choice]:
         """Every choice admitted, in index order (n per prompt), or none: the first choice of each
@@ -266,11 +286,13 @@ class HttpApi:
         except GenerationError as e:
             raise generation_error(e) from None
 
-    async def _collect(self, shape: ResponseShape, choices: list[Choice], n: int, view: ChoiceView) -> Response:
+    async def _collect(self, shape: ResponseShape, choices: list[Choice], n: int, view: ChoiceView, output: ChatOutput | None) -> Response:
         outputs = await asyncio.gather(*(_output_of(choice) for choice in choices))  # cancelled: each closes its stream
         if failed := next((out.final for out in outputs if out.final.finish_reason == "error"), None):
             return error_response(ApiError(503, failed.error, code="worker_failed"))
         outputs = [dataclasses.replace(out, text=choice.echoed + out.text) for choice, out in zip(choices, outputs)]
+        if output is not None:
+            outputs = [dataclasses.replace(out, parts=output.parse(out.text)) for out in outputs]
         body = shape.full(outputs, n, {c.index: view.logprobs(c.prompt_ids, out) for c, out in zip(choices, outputs)})
         if view.prompt_logprobs:  # vLLM's extension: per choice on completions, per response on chat
             scored = [view.format.prompt(c.prompt_ids, out.prompt_logprobs or NO_LOGPROBS) for c, out in zip(choices, outputs)]
@@ -292,10 +314,11 @@ class HttpApi:
             return Response(status_code=499)
         return task.result()
 
-    async def _sse(self, shape: ResponseShape, choices: list[Choice], parsed: ParsedRequest, view: ChoiceView):
+    async def _sse(self, shape: ResponseShape, choices: list[Choice], parsed: ParsedRequest, view: ChoiceView, output: ChatOutput | None):
         # a client that disconnects closes this generator, which closes every stream (core.generate aborts its request)
         text_lines = {choice.index: _text_line_template(shape, choice.index) for choice in choices}
         streams = {choice.index: view.stream(choice.prompt_ids) for choice in choices}
+        divided = {choice.index: output.stream() for choice in choices} if output is not None else {}
         finals: dict[int, Final] = {}
         merged = _merged(choices)
         try:
@@ -306,8 +329,12 @@ class HttpApi:
                     yield _sse_line(shape.chunk(choice.echoed, index=choice.index, logprobs=streams[choice.index].echo()))
             async for index, event in merged:
                 if isinstance(event, Delta):
-                    if view.reports:
-                        if (logprobs := streams[index].delta(event)) is not None or event.text:
+                    logprobs = streams[index].delta(event) if view.reports else None
+                    if index in divided:
+                        if (parts := divided[index].feed(event.text)) or logprobs is not None:
+                            yield _sse_line(shape.chunk(None, index=index, logprobs=logprobs, parts=parts.delta()))
+                    elif view.reports:
+                        if logprobs is not None or event.text:
                             yield _sse_line(shape.chunk(event.text, index=index, logprobs=logprobs))
                     elif event.text:
                         yield text_lines[index](event.text)
@@ -316,7 +343,12 @@ class HttpApi:
                     break
                 else:
                     finals[index] = event
-                    yield _sse_line(shape.chunk(None if shape.chat else "", reason=finish_reason(event), index=index))
+                    called = False
+                    if index in divided:
+                        if parts := divided[index].flush():
+                            yield _sse_line(shape.chunk(None, index=index, parts=parts.delta()))
+                        called = divided[index].called
+                    yield _sse_line(shape.chunk(None if shape.chat else "", reason=finish_reason(event, called), index=index))
         finally:
             await merged.aclose()  # now, not when collected: every stream still open is aborted
         if parsed.include_usage and len(finals) == len(choices):

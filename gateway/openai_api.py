@@ -12,14 +12,26 @@ here raises anything else on any JSON input.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pulseinfer.gateway.chat_parsers import ChatParts
 from pulseinfer.gateway.core import Final, Prompt
+from pulseinfer.gateway.structured import (
+    ForcedToolCalls,
+    ResponseFormat,
+    Structured,
+    StructuredError,
+    StructuredOutputs,
+    forced_tool_schema,
+    structured_of,
+)
 from pulseinfer.scheduler.plan import Logprobs
 from pulseinfer.scheduler.request import MAX_STOP_STRINGS, SamplingParams
 
@@ -27,11 +39,9 @@ from pulseinfer.scheduler.request import MAX_STOP_STRINGS, SamplingParams
 NEUTRAL = {
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # says nothing without tools
-    "response_format": ({"type": "text"},),
 }
+# what a chat template is given besides chat_template_kwargs, which may not replace it
+TEMPLATE_ARGUMENTS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
 class ApiError(Exception):
@@ -55,13 +65,46 @@ class StreamOptions(_Body):
     include_usage: bool | None = None
 
 
-ChatRole = Literal["system", "user", "assistant"]
+ChatRole = Literal["system", "user", "assistant", "tool"]
 CHAT_ROLES = get_args(ChatRole)
+
+
+class FunctionCall(_Body):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class ChatMessage(_Body):
     role: ChatRole
-    content: Any  # a string or an array of text parts (checked with its index, for the error's param)
+    content: Any = None  # a string or an array of text parts (checked with its index, for the error's param)
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+
+class Function(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedToolChoice(_Body):
+    class Name(_Body):
+        name: str
+
+    type: Literal["function"]
+    function: Name
 
 
 class _Request(_Body):
@@ -88,6 +131,8 @@ class _Request(_Body):
     prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob, with this many alternatives
     skip_special_tokens: bool | None = None  # vLLM's extensions, as include_stop_str_in_output
     include_stop_str_in_output: bool | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); completions too, as vLLM's
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice, grammar
     # accepted and ignored on purpose: OpenAI's bookkeeping and routing hints, which do not change the output
     user: str | None = None
     service_tier: str | None = None
@@ -110,10 +155,10 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: e.g. Qwen3's enable_thinking
 
 
 class TokenizeRequest(_Body):
@@ -124,6 +169,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template writes its own)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -153,6 +200,8 @@ class ParsedRequest:
     max_tokens_given: bool
     stream: bool
     include_usage: bool
+    tool_calls: bool = False  # a chat's output is parsed for tool calls (tools offered, tool_choice not "none")
+    forced: ForcedToolCalls | None = None  # a chat's tool_choice "required" or named: its output is the calls' JSON
 
 
 def parse_body(raw: bytes) -> dict:
@@ -185,23 +234,63 @@ def parse_completion(body: dict, default_max_tokens: int) -> ParsedRequest:
 
 def parse_chat(body: dict, default_max_tokens: int) -> ParsedRequest:
     request = _validated(ChatRequest, body)
-    turns = _turns(request.messages)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     if request.top_logprobs is not None and not request.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     logprobs = _or(request.top_logprobs, 0) if request.logprobs else None
-    return _parsed(request, (Prompt(chat=turns),), default_max_tokens, max_tokens, logprobs, request.prompt_logprobs)
+    prompt = _chat_prompt(request.messages, request.tools, request.chat_template_kwargs)
+    parsed = _parsed(request, (prompt,), default_max_tokens, max_tokens, logprobs, request.prompt_logprobs)
+    forced = _forced_tool_calls(request)
+    if forced is None:
+        return dataclasses.replace(parsed, tool_calls=bool(request.tools) and request.tool_choice != "none")
+    if parsed.params.structured is not None:
+        raise ApiError(400, "a 'tool_choice' that forces a call constrains the output: it takes no 'response_format'", param="tool_choice")
+    tools = [tool.model_dump() for tool in request.tools]
+    params = dataclasses.replace(parsed.params, structured=_structured(lambda: forced_tool_schema(tools, forced.named)))
+    return dataclasses.replace(parsed, params=params, tool_calls=True, forced=forced)
+
+
+def _chat_prompt(messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: dict[str, Any] | None) -> Prompt:
+    """What the chat template renders: the turns, the tools offered (as OpenAI's tool objects, which
+    templates take as transformers passes them) and chat_template_kwargs."""
+    if reserved := sorted(set(template_kwargs or ()) & set(TEMPLATE_ARGUMENTS)):
+        raise ApiError(400, f"'chat_template_kwargs' may not set {reserved[0]!r}: the request sets it", param="chat_template_kwargs")
+    offered = tuple(tool.model_dump(exclude_none=True) for tool in tools or ())
+    names = [tool.function.name for tool in tools or ()]
+    if len(set(names)) < len(names):
+        raise ApiError(400, "'tools' names a function twice", param="tools")
+    return Prompt(chat=_turns(messages), tools=offered or None, template_kwargs=template_kwargs or None)
+
+
+def _forced_tool_calls(request: ChatRequest) -> ForcedToolCalls | None:
+    """tool_choice "required" or a named function: the output is constrained to the calls (None:
+    "auto" or "none", where the model's own format is parsed, or not)."""
+    choice = request.tool_choice
+    if choice is not None and not request.tools:
+        raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+    if choice == "required":
+        return ForcedToolCalls(None)
+    if isinstance(choice, NamedToolChoice):
+        return ForcedToolCalls(choice.function.name)
+    return None
+
+
+def _structured(constraint: Callable[[], Structured | None]) -> Structured | None:
+    try:
+        return constraint()
+    except StructuredError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def parse_tokenize(body: dict, render_chat) -> TokenizeText:
-    """The text /tokenize encodes; `render_chat(turns, add_generation_prompt)` is the model's template."""
+    """The text /tokenize encodes; `render_chat(prompt, add_generation_prompt)` is the model's template."""
     request = _validated(TokenizeRequest, body)
     if (request.prompt is None) == (request.messages is None):
         raise ApiError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     if request.prompt is not None:
         return TokenizeText(_text(request.prompt, "prompt"), _or(request.add_special_tokens, True))
-    turns = _turns(request.messages)
-    return TokenizeText(render_chat(turns, request.add_generation_prompt), _or(request.add_special_tokens, False))
+    prompt = _chat_prompt(request.messages, request.tools, request.chat_template_kwargs)
+    return TokenizeText(render_chat(prompt, request.add_generation_prompt), _or(request.add_special_tokens, False))
 
 
 def parse_detokenize(body: dict) -> list[int]:
@@ -265,6 +354,7 @@ def _parsed(
         presence_penalty=_or(request.presence_penalty, 0.0),
         frequency_penalty=_or(request.frequency_penalty, 0.0),
         repetition_penalty=_or(request.repetition_penalty, 1.0),
+        structured=_structured(lambda: structured_of(request.response_format, request.structured_outputs)),
     )
     stream = _or(request.stream, False)
     if stream and request.prompt_logprobs is not None:
@@ -308,9 +398,37 @@ def _text(value: str, param: str) -> str:
     return value
 
 
-def _turns(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as the template takes them, each content checked as text."""
-    return [{"role": m.role, "content": _chat_content(m.content, f"messages[{i}].content")} for i, m in enumerate(messages)]
+def _turns(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as templates take them (transformers' shapes): each content checked as text, an
+    assistant's tool calls with their arguments as objects, a tool's answer with its call id."""
+    return [_turn(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _turn(message: ChatMessage, param: str) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": message.role}
+    if message.tool_calls is not None and message.role != "assistant":
+        raise ApiError(400, f"'{param}.tool_calls' is an assistant's", param=f"{param}.tool_calls")
+    if message.tool_call_id is not None and message.role != "tool":
+        raise ApiError(400, f"'{param}.tool_call_id' is a tool message's", param=f"{param}.tool_call_id")
+    if message.content is None and not message.tool_calls:
+        raise ApiError(400, f"'{param}.content' is required (an assistant with tool calls may leave it out)", param=f"{param}.content")
+    turn["content"] = "" if message.content is None else _chat_content(message.content, f"{param}.content")
+    if message.tool_calls:
+        turn["tool_calls"] = [_template_call(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = _text(message.tool_call_id, f"{param}.tool_call_id")
+    return turn
+
+
+def _template_call(call: ToolCall, param: str) -> dict[str, Any]:
+    """A tool call as chat templates read it: arguments as an object (vLLM does the same)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"'{param}.function.arguments' must be the JSON text of an object", param=f"{param}.function.arguments")
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _completion_prompts(prompt: Any) -> tuple[Prompt, ...]:
@@ -352,6 +470,7 @@ class ChoiceOutput:
     logprobs: Logprobs | None
     prompt_logprobs: Logprobs | None
     final: Final
+    parts: ChatParts | None = None  # a chat's text divided (reasoning, tool calls); None: all content
 
 
 def usage(finals: list[Final], n: int) -> dict:
@@ -368,8 +487,11 @@ def usage(finals: list[Final], n: int) -> dict:
     }
 
 
-def finish_reason(final: Final) -> str:
-    return "length" if final.finish_reason == "length" else "stop"
+def finish_reason(final: Final, called: bool = False) -> str:
+    """`called`: the choice called a tool (OpenAI's "tool_calls", unless it ran out of tokens)."""
+    if final.finish_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 class ResponseShape:
@@ -393,12 +515,20 @@ class ResponseShape:
         return self._object("chat.completion" if self.chat else "text_completion", choices, usage([o.final for o in outputs], n))
 
     def _choice(self, index: int, out: ChoiceOutput, logprobs: dict | None) -> dict:
-        content = {"message": {"role": "assistant", "content": out.text}} if self.chat else {"text": out.text}
-        return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason(out.final)}
+        if not self.chat:
+            return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": finish_reason(out.final)}
+        parts = out.parts or ChatParts(content=out.text)
+        reason = finish_reason(out.final, bool(parts.tool_calls))
+        return {"index": index, "message": parts.message(), "logprobs": logprobs, "finish_reason": reason}
 
-    def chunk(self, text: str | None, reason: str | None = None, role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
+    def chunk(
+        self, text: str | None, reason: str | None = None, role: bool = False, index: int = 0, logprobs: dict | None = None,
+        parts: dict | None = None,
+    ) -> dict:  # fmt: skip
+        """`parts`: a chat delta's divided text (reasoning_content, content, tool_calls), for `text`."""
         if self.chat:
-            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            text_parts = parts if parts is not None else {"content": text} if text is not None else {}
+            delta = ({"role": "assistant"} if role else {}) | text_parts
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return self._object("chat.completion.chunk", [choice], None)
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}

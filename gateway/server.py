@@ -10,8 +10,10 @@ import uvicorn
 
 from pulseinfer.common import grpc_common
 from pulseinfer.common.api_key import resolve_api_key
+from pulseinfer.common.grammar import grammars_built_aside
 from pulseinfer.common.grpc_common import add_health_and_reflection, add_servicer, set_serving
 from pulseinfer.common.model.meta import load_model_meta, served_name
+from pulseinfer.gateway.chat_parsers import chat_parser_for
 from pulseinfer.gateway.core import GatewayCore
 from pulseinfer.gateway.grpc_api import SERVICE, GenerationService
 from pulseinfer.gateway.http_api import MAX_REQUEST_BYTES, HttpApi
@@ -33,6 +35,9 @@ class GatewayConfig:
     api_key_file: str | None = None  # the API key is this file's content; default: $PULSEINFER_API_KEY; neither: no key needed
     default_max_tokens: int = 256  # when a request leaves max_tokens out (capped by the context)
     max_request_bytes: int = MAX_REQUEST_BYTES  # larger HTTP bodies get 413 before they are read
+    # chat outputs divided into reasoning_content, content and tool_calls: qwen3 (<think> and hermes
+    # <tool_call>), hermes, llama3_json, none; auto: the model family's (README "Tool calls and reasoning")
+    chat_parser: str = "auto"
 
     def resolved_api_key(self) -> str | None:
         """Never a flag's value: a command line is visible to every local user (`ps`)."""
@@ -42,9 +47,12 @@ class GatewayConfig:
 async def serve(config: GatewayConfig) -> None:
     api_key = config.resolved_api_key()  # once, first: a bad --api-key-file fails before anything starts
     meta = load_model_meta(config.model, config.load_format)
+    chat_parser = chat_parser_for(config.chat_parser, meta.config.architecture)  # a bad name fails before anything listens
     model_id = config.served_model_name or served_name(config.model, meta.source)
     channel = grpc.aio.insecure_channel(config.scheduler)
-    core = GatewayCore(meta, model_id, generate_pb2_grpc.SchedulerStub(channel), GatewayMetrics())
+    stops = [meta.tokenizer.eos_id] if meta.tokenizer.eos_id is not None else []
+    grammars = grammars_built_aside(meta.tokenizer, meta.config.vocab_size, stops)
+    core = GatewayCore(meta, model_id, generate_pb2_grpc.SchedulerStub(channel), GatewayMetrics(), grammars)
 
     server = grpc_common.server()
     add_servicer(server, GenerationService(core, api_key, config.default_max_tokens), SERVICE)
@@ -55,7 +63,7 @@ async def serve(config: GatewayConfig) -> None:
     await server.start()
     await set_serving(health, [SERVICE.full_name], True)
 
-    app = HttpApi(core, api_key, config.default_max_tokens, config.max_request_bytes).app()
+    app = HttpApi(core, api_key, config.default_max_tokens, config.max_request_bytes, chat_parser).app()
     http = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.http_port, loop="none", http="httptools", log_level="warning", access_log=False)
     )

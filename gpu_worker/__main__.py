@@ -47,7 +47,7 @@ def model_worker(config: WorkerServiceConfig, context: zmq.Context, log: logging
 
     engine = kv_store.open_recall_engine if config.engine_recalls else None
     runner = ModelRunner(loaded, config.worker, HostTier(attach(), kv_store, attach, engine, kv_store.lost, config.worker_id))
-    return Worker(config, runner, ServedModel(loaded.config, loaded.source.name, loaded.tokenizer.eos_id), kv_store.lost)
+    return Worker(config, runner, ServedModel(loaded.config, loaded.source.name, loaded.tokenizer.eos_id, loaded.tokenizer), kv_store.lost)
 
 
 def simulated_worker(config: WorkerServiceConfig, log: logging.Logger) -> Worker:

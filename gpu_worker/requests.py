@@ -9,8 +9,10 @@ runner sampled. A request that sampled a stop token is dropped from the plan alr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pulseinfer.common.grammar import GrammarTokenizer, structured_grammar
 from pulseinfer.kv_store.prefix_cache import promotion_owner
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.scheduler.plan import BlockNames, Chunk, SamplingSpec, StepOutcome, StepPlan
@@ -34,6 +36,7 @@ class Running:
     table: tuple[int, ...] = ()
     ended: bool = False  # it sampled a stop token, or this worker failed it: later chunks of it are dropped
     prompt_top: int = -1  # its prefill chunks score their tokens, with this many alternatives; -1: they do not
+    refused: str | None = None  # why it cannot run here (its structured output's grammar): its first chunk fails
 
 
 @dataclass
@@ -51,11 +54,13 @@ class Staged:
 
 
 class RequestTable:
-    def __init__(self, eos_id: int | None, windowed: bool):
+    def __init__(self, eos_id: int | None, windowed: bool, grammars: Callable[[], GrammarTokenizer] | None = None):
         """`windowed`: the model keeps a sliding-window ring per running request, which every release
-        frees (otherwise only offloaded requests have state the runner frees)."""
+        frees (otherwise only offloaded requests have state the runner frees). `grammars`: the
+        tokenizer structured outputs are matched with (None: this worker has none)."""
         self.eos_id = eos_id
         self.windowed = windowed
+        self.grammars = grammars
         self.running: dict[int, Running] = {}
         self._step_handles: dict[str, int] = {}  # seq_id -> handle, for the step being run
 
@@ -153,6 +158,7 @@ class RequestTable:
             stops.add(self.eos_id)
         sampling = sampling_from_proto(a.sampling)
         start, prompt_top = a.start_pos, a.prompt_top if a.score_prompt else -1
+        refused = self._match_grammar(sampling) if sampling.structured is not None else None
         return Running(
             a.seq_id,
             start,
@@ -165,7 +171,20 @@ class RequestTable:
             -1,
             start,
             prompt_top=prompt_top,
+            refused=refused,
         )
+
+    def _match_grammar(self, sampling: SamplingSpec) -> str | None:
+        """Gives a structured spec its grammar's matcher, advanced past the request's outputs so far;
+        why it cannot, if it cannot."""
+        if self.grammars is None:
+            return "this worker has no tokenizer to follow a structured output's grammar with"
+        try:
+            grammar = structured_grammar(*sampling.structured)
+            sampling.grammar = self.grammars().matcher(grammar, sampling.history.outputs if sampling.history else ())
+        except ValueError as e:
+            return f"its structured output: {e}"
+        return None
 
     def _grant(self, handles, blocks) -> None:
         grants: dict[int, list[int]] = {}
@@ -199,10 +218,10 @@ class RequestTable:
             return None
         start, end = entry.fed, entry.fed + len(tokens)
         sampling = entry.sampling if end == entry.length else None
-        problem = None
-        if not tokens or end > entry.length:
+        problem = entry.refused
+        if problem is None and (not tokens or end > entry.length):
             problem = f"a prefill chunk of {len(tokens)} tokens to position {end} (it has {entry.length})"
-        elif entry.prompt_top >= 0 and sampling is None and score_next < 0:
+        elif problem is None and entry.prompt_top >= 0 and sampling is None and score_next < 0:
             problem = f"a prefill chunk to position {end} without the token after it, which its prompt scoring needs"
         if problem is not None:
             staged.failed[handle] = f"request {entry.seq_id}: {problem}"

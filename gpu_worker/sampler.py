@@ -1,5 +1,5 @@
 """Token selection: greedy, or temperature / min-p / top-k / top-p (vLLM's order) with a per-token
-seeded generator, after each row's logit_bias, its stop tokens banned before its min_tokens, and
+seeded generator, after each row's structured-output mask, its logit_bias, its stop tokens banned before its min_tokens, and
 its presence, frequency and repetition penalties (vLLM V1's order). Every step is batched in torch:
 a row's parameters are columns of the step's tensors, so no row's parameters reach another's tokens.
 
@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from pulseinfer.common.grammar import fill_masks, masked
 from pulseinfer.common.syncs import to_device, to_host
 from pulseinfer.scheduler.plan import PENALTIES, Logprobs, SamplingSpec, TokenHistory
 
@@ -45,7 +46,7 @@ def sample_with_logprobs(logits: torch.Tensor, specs: list[SamplingSpec]) -> tup
     that sample, and the log-probabilities, in one transfer."""
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(specs)} sampling specs")
-    logits = _penalized(_biased(logits, specs), specs)
+    logits = _penalized(_biased(_constrained(logits, specs), specs), specs)
     sampled = [i for i, spec in enumerate(specs) if spec.temperature >= _SAMPLING_EPS]
     reported = [i for i, spec in enumerate(specs) if spec.logprobs]
     argmax = logits.argmax(dim=-1)
@@ -55,6 +56,9 @@ def sample_with_logprobs(logits: torch.Tensor, specs: list[SamplingSpec]) -> tup
     greedy, finite, *rest = to_host(reads + report)
     probs, report = (rest[0], rest[1:]) if sampled else (None, rest)
     tokens = _tokens(specs, greedy, finite, {i: probs[j] for j, i in enumerate(sampled)})
+    for spec, token in zip(specs, tokens):
+        if spec.grammar is not None and isinstance(token, int):
+            spec.grammar.consume(token)
     return tokens, _reported(specs, tokens, reported, set(sampled), report)
 
 
@@ -144,12 +148,23 @@ def _biased(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
     return logits.float().index_put((index[0], index[1]), index[2], accumulate=True)
 
 
+def _constrained(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """The logits with the tokens each structured row's grammar does not allow at -inf (vLLM masks
+    them first, before any other processing). The masks are made on the host, before the step's
+    first read of the device: on a GPU, while the forward's kernels still run."""
+    rows = [i for i, spec in enumerate(specs) if spec.grammar is not None]
+    if not rows:
+        return logits
+    bitmask = fill_masks([specs[i].grammar for i in rows], specs[rows[0]].grammar.tokenizer.vocab_size)
+    return masked(logits, torch.tensor(rows), bitmask)
+
+
 def _penalized(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
     """The logits with the penalized rows' penalties applied, as vLLM applies them: the repetition
     penalty to the tokens of the prompt or the output, then frequency x count and presence to those
     of the output. Each history's tokens are kept on the device (TokenHistory.cache) and grow by the
     tokens sampled since the last step, so a step sends only those."""
-    rows = [i for i, spec in enumerate(specs) if spec.history is not None]
+    rows = [i for i, spec in enumerate(specs) if spec.penalized]
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[-1]

@@ -16,7 +16,9 @@ from typing import Protocol
 
 import zmq
 
+from pulseinfer.common.grammar import grammars_built_aside
 from pulseinfer.common.model.config import ModelConfig
+from pulseinfer.common.model.tokenizer import Tokenizer
 from pulseinfer.common.peer import PeerLoss
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
@@ -120,6 +122,7 @@ class ServedModel:
     config: ModelConfig
     name: str
     eos_id: int | None
+    tokenizer: Tokenizer | None = None  # structured outputs' grammars are matched with it (None: refused)
 
 
 class Worker:
@@ -128,7 +131,9 @@ class Worker:
         self.config = config
         self.runner = runner
         self.host_lost = host_lost
-        self.table = RequestTable(model.eos_id, windowed=runner.max_running > 0)
+        stops = [model.eos_id] if model.eos_id is not None else []
+        grammars = grammars_built_aside(model.tokenizer, model.config.vocab_size, stops) if model.tokenizer is not None else None
+        self.table = RequestTable(model.eos_id, windowed=runner.max_running > 0, grammars=grammars)
         self._last_forward_end: float | None = None
         spec = runner.cache_spec
         self.heartbeat = worker_pb2.Heartbeat(

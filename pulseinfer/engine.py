@@ -6,12 +6,14 @@ without the sockets; used by `pulseinfer generate`, the evals and the tests.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import torch
 
+from pulseinfer.common.grammar import GrammarTokenizer, structured_grammar
 from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 from pulseinfer.gpu_worker.offload.config import HostTier
@@ -134,9 +136,17 @@ class Engine:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @functools.cached_property
+    def grammars(self) -> GrammarTokenizer:
+        """What structured outputs are followed with: built at the first one (a second for a 50k vocabulary)."""
+        eos = self.tokenizer.eos_id
+        return GrammarTokenizer(self.tokenizer, self.loaded.config.vocab_size, [eos] if eos is not None else [])
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
         seq_id = seq_id or uuid.uuid4().hex
         seq = Sequence.admit(seq_id, prompt_ids, params, self.loaded.config.vocab_size)
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(structured_grammar(*params.structured))
         self.batcher.add(seq)
         self._seqs[seq_id] = seq
         self._streams[seq_id] = TextStream(

@@ -59,6 +59,7 @@ class ServeConfig:
     # a benchmark tool (`pulseinfer bench control-plane`): > 0 gives every worker a forward of this fixed
     # time in place of the model (gpu_worker/simulated.py)
     simulate_step_ms: float = WorkerServiceConfig.simulate_step_ms
+    chat_parser: str = GatewayConfig.chat_parser  # how chat outputs divide into reasoning, content and tool calls
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
 
@@ -163,6 +164,7 @@ class Cluster:
             host=config.host,
             http_port=config.http_port,
             grpc_port=config.grpc_port,
+            chat_parser=config.chat_parser,
         )
         self.kv_store = Child("kv_store", "kv_store", to_flags(kv_config))
         self.scheduler = Child("scheduler", "scheduler", to_flags(sched_config))

@@ -8,6 +8,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pulseinfer.common.grammar import GRAMMAR_KINDS, GrammarMatcher
 from pulseinfer.scheduler.plan import PENALTIES, Logprobs, SamplingSpec, TokenHistory
 
 MAX_STOP_STRINGS = 16
@@ -45,6 +46,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2], as OpenAI's and vLLM's
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # > 0; 1: off
+    # a structured output: (kind, value) with kind one of grammar.GRAMMAR_KINDS and value its text
+    # (a JSON schema's JSON, a regex, a JSON array of choices, a Lark grammar; "" for json_object)
+    structured: tuple[str, str] | None = None
 
     @property
     def penalized(self) -> bool:
@@ -79,6 +83,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if not 0 < self.repetition_penalty <= FLOAT32_MAX:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.structured is not None and self.structured[0] not in GRAMMAR_KINDS:
+            raise ValueError(f"a structured output's kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.structured[0]!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -123,7 +129,8 @@ class Sequence:
     block_names: tuple[bytes, ...] = ()  # prefix-cache names of its leading full blocks
     num_named: int = 0  # leading blocks the prefix cache has been given since it last started
     num_prompt_scored: int = 0  # prompt tokens (from the second) whose logprobs have been reported, with prompt_logprobs
-    history: TokenHistory | None = None  # with a penalty: what its sampling specs share
+    history: TokenHistory | None = None  # with a penalty or a structured output: what its sampling specs share
+    grammar: GrammarMatcher | None = None  # in process (pulseinfer.engine), its structured output's matcher
     host_cached_blocks: int | None = None  # of its prefix, cached in the host tier when admission first asked
     # while it runs: its admission's handle on its worker, the blocks of its table the worker has, and
     # (offloaded, host prefix cache on) its leading blocks whose names the worker has been given
@@ -198,6 +205,9 @@ class Sequence:
         if p.penalized:
             for name in PENALTIES:
                 setattr(spec, name, getattr(p, name))
+        if p.structured is not None:
+            spec.structured, spec.grammar = p.structured, self.grammar
+        if p.penalized or p.structured is not None:  # a re-admitted request's grammar is advanced past its outputs
             spec.history = self.token_history()
         return spec
 

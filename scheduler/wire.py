@@ -78,12 +78,15 @@ def sampling_to_proto(s: SamplingSpec) -> worker_pb2.SamplingSpec:
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, step=s.step, min_p=s.min_p, min_tokens=s.min_tokens,
         stop_ids=s.stop_ids, bias_ids=s.bias_ids, bias_values=s.bias_values, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
     )  # fmt: skip
-    if s.history is not None:
+    if s.penalized:
         message.penalized = True
         for name in PENALTIES:
             setattr(message, name, getattr(s, name))
+    if s.history is not None:
         message.history_prompt.extend(s.history.prompt)
         message.history_outputs.extend(s.history.outputs)
+    if s.structured is not None:
+        message.structured_kind, message.structured_value = s.structured
     return message
 
 
@@ -96,6 +99,9 @@ def sampling_from_proto(s: worker_pb2.SamplingSpec) -> SamplingSpec:
     if s.penalized:
         for name in PENALTIES:
             setattr(spec, name, getattr(s, name))
+    if s.structured_kind:
+        spec.structured = (s.structured_kind, s.structured_value)
+    if s.penalized or s.structured_kind:
         spec.history = TokenHistory(tuple(s.history_prompt), array("q", s.history_outputs))
     return spec
 
@@ -153,6 +159,8 @@ def params_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         include_stop_str_in_output=p.include_stop_str_in_output,
         **{name: getattr(p, name) for name in PENALTIES},
     )
+    if p.structured is not None:
+        message.structured.kind, message.structured.value = p.structured
     for name in ("seed", "logprobs", "prompt_logprobs"):  # optional fields: None leaves them unset
         if (value := getattr(p, name)) is not None:
             setattr(message, name, value)
@@ -183,4 +191,5 @@ def params_from_proto(message: generate_pb2.SamplingParams, default_max_tokens: 
         skip_special_tokens=get("skip_special_tokens", d.skip_special_tokens),
         include_stop_str_in_output=get("include_stop_str_in_output", d.include_stop_str_in_output),
         **{name: get(name, getattr(d, name)) for name in PENALTIES},
+        structured=(message.structured.kind, message.structured.value) if message.HasField("structured") else None,
     )

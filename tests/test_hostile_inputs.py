@@ -382,7 +382,22 @@ HTTP_CASES = [
     HttpCase("min_p 2", completion(min_p=2)),
     HttpCase("min_tokens over max_tokens", completion(max_tokens=4, min_tokens=5)),
     HttpCase("an unknown field", completion(frobnicate=True)),
-    HttpCase("chat tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), path=CHAT),
+    HttpCase("chat tool without a function", chat(tools=[{"type": "function"}]), path=CHAT),
+    HttpCase("chat tool name with a space", chat(tools=[{"type": "function", "function": {"name": "a b"}}]), path=CHAT),
+    HttpCase(
+        "chat tool_calls arguments not JSON",
+        chat(
+            messages=[
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+                }
+            ]
+        ),
+        path=CHAT,
+    ),
+    HttpCase("chat_template_kwargs sets messages", chat(chat_template_kwargs={"messages": []}), path=CHAT),
     HttpCase("logprobs true", completion(logprobs=True)),
     HttpCase("chat top_logprobs 3", chat(top_logprobs=3), path=CHAT),
     HttpCase("best_of 2", completion(best_of=2)),

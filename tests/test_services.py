@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -265,13 +266,12 @@ def test_bench_serve_replays_a_trace(cluster, tmp_path):
 # it, and the extensions of other servers: each must be refused with a 400 naming it, never ignored
 NOT_IMPLEMENTED = {
     "completions": {
-        "best_of": 2, "suffix": "end", "guided_json": {}, "response_format": {"type": "json_object"},
+        "best_of": 2, "suffix": "end", "guided_json": {}, "guided_regex": "a",
     },
     "chat": {
-        "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"},
-        "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
-        "web_search_options": {}, "verbosity": "low", "chat_template_kwargs": {"enable_thinking": False},
+        "guided_choice": ["a"], "functions": [{"name": "f"}], "function_call": "auto",
+        "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
+        "reasoning_effort": "low", "web_search_options": {}, "verbosity": "low",
     },
 }  # fmt: skip
 
@@ -610,3 +610,126 @@ def test_kill_9_of_a_worker_fails_its_stream_and_the_cluster_recovers(cluster, c
     cluster.wait_for(lambda: cluster.children().get(f"gpu_worker{busy}") not in (None, victim), 30, "the worker restart")
     cluster.wait_for(lambda: cluster.request("/health")[1].get("workers_alive") == 2, 120, "two live workers")
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0).choices[0].text
+
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
+
+
+def _structured_chat(client, schema: dict, temperature: float, stream: bool, seed: int) -> tuple[str, str]:
+    """The content and finish_reason of a chat constrained to `schema`, streamed or not."""
+    request = dict(
+        model=MODEL, messages=[{"role": "user", "content": f"Give an example of a {schema.get('title', 'value')} as JSON."}],
+        max_tokens=200, temperature=temperature, seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    if not stream:
+        got = client.chat.completions.create(**request)
+        return got.choices[0].message.content, got.choices[0].finish_reason
+    chunks = [c for c in client.chat.completions.create(**request, stream=True) if c.choices]
+    return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+
+
+def test_every_json_schema_output_parses_and_validates_greedy_sampled_streamed_or_not(client):
+    """55 schemas (nested objects, arrays, enums, required fields, bounded numbers, anyOf, $ref),
+    each greedy and sampled, streamed and not, 16 at a time (the worker batches their masks): every
+    output is complete JSON that validates against its schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    cases = [(i, temperature, stream) for i in range(len(SCHEMAS)) for temperature in (0.0, 1.0) for stream in (False, True)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outputs = list(pool.map(lambda case: _structured_chat(client, SCHEMAS[case[0]], case[1], case[2], case[0]), cases))
+    unfinished = [(case, content) for case, (content, reason) in zip(cases, outputs) if reason != "stop"]
+    assert not unfinished, unfinished
+    for (i, _, _), (content, _) in zip(cases, outputs):
+        jsonschema.validate(json.loads(content), SCHEMAS[i])
+
+
+def test_regex_choice_grammar_and_json_object_constrain_completions_and_chat(client, engine, stub):
+    """vLLM's structured_outputs (regex, choice, Lark grammar, json_object) and OpenAI's json_object,
+    over completions, chat, gRPC and in process; a bad constraint is a 400 before anything is queued."""
+    base = {"model": MODEL, "prompt": "Today's date is", "max_tokens": 40, "temperature": 0.8, "seed": 1}
+    date = client.completions.create(**base, extra_body={"structured_outputs": {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}})
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.choices[0].text), date.choices[0].text
+    choices = ["yes", "no", "maybe so"]
+    picked = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=10, extra_body={"structured_outputs": {"choice": choices}}
+    )
+    assert picked.choices[0].message.content in choices
+    lark = 'start: expr\nexpr: NUMBER | expr "+" NUMBER\nNUMBER: /[1-9][0-9]?/'
+    sums = client.completions.create(**base, extra_body={"structured_outputs": {"grammar": lark}})
+    assert re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)*", sums.choices[0].text), sums.choices[0].text
+    anything = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, response_format={"type": "json_object"})
+    assert anything.choices[0].finish_reason == "stop" and isinstance(json.loads(anything.choices[0].message.content), dict)
+    sampling = generate_pb2.SamplingParams(
+        max_tokens=10, structured=generate_pb2.StructuredOutput(kind="choice", value=json.dumps(choices))
+    )
+    reply = list(stub[0].Generate(generate_pb2.GenerateRequest(text="Is it?", sampling=sampling), metadata=AUTH))
+    assert "".join(r.chunk.text for r in reply[:-1]) in choices
+    (local,) = engine.generate(
+        [engine.tokenizer.encode("Is it?")], SamplingParams(max_tokens=10, structured=("choice", json.dumps(choices)))
+    )
+    assert local.text in choices
+    for bad, param in (
+        ({"structured_outputs": {"regex": "(unclosed"}}, None),
+        ({"structured_outputs": {"choice": []}}, None),
+        ({"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 1}}}, None),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, extra_body=bad)
+        assert refused.value.body["param"] == param, (bad, refused.value.body)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
+
+
+def test_a_forced_tool_choice_returns_calls_valid_against_the_functions_schema_streamed_alike(client):
+    """tool_choice naming a function, and "required": the constrained output parses into tool_calls
+    whose arguments validate against the function's parameters; streamed deltas reassemble to the
+    same calls; the finish reason is tool_calls."""
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        request = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=120, temperature=0)
+        full = client.chat.completions.create(**request)
+        choice = full.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), schemas[name])
+        if isinstance(tool_choice, dict):
+            assert [name for name, _ in calls] == ["get_weather"]
+        streamed: dict[int, list] = {}
+        reasons = []
+        for chunk in client.chat.completions.create(**request, stream=True):
+            if not chunk.choices:
+                continue
+            reasons.append(chunk.choices[0].finish_reason)
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                entry = streamed.setdefault(delta.index, [None, ""])
+                entry[0] = delta.function.name or entry[0]
+                entry[1] += delta.function.arguments or ""
+        assert [tuple(streamed[i]) for i in sorted(streamed)] == calls and reasons[-1] == "tool_calls"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}
+        )
+    assert refused.value.body["param"] == "tool_choice"

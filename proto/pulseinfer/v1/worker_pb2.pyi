@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingSpec(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "step", "min_p", "min_tokens", "stop_ids", "bias_ids", "bias_values", "logprobs", "top_logprobs", "penalized", "presence_penalty", "frequency_penalty", "repetition_penalty", "history_prompt", "history_outputs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "step", "min_p", "min_tokens", "stop_ids", "bias_ids", "bias_values", "logprobs", "top_logprobs", "penalized", "presence_penalty", "frequency_penalty", "repetition_penalty", "history_prompt", "history_outputs", "structured_kind", "structured_value")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,8 @@ class SamplingSpec(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     HISTORY_PROMPT_FIELD_NUMBER: _ClassVar[int]
     HISTORY_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_KIND_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_VALUE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -45,7 +47,9 @@ class SamplingSpec(_message.Message):
     repetition_penalty: float
     history_prompt: _containers.RepeatedScalarFieldContainer[int]
     history_outputs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., penalized: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., history_prompt: _Optional[_Iterable[int]] = ..., history_outputs: _Optional[_Iterable[int]] = ...) -> None: ...
+    structured_kind: str
+    structured_value: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., penalized: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., history_prompt: _Optional[_Iterable[int]] = ..., history_outputs: _Optional[_Iterable[int]] = ..., structured_kind: _Optional[str] = ..., structured_value: _Optional[str] = ...) -> None: ...
 
 class Admission(_message.Message):
     __slots__ = ("handle", "seq_id", "start_pos", "length", "sampling", "offloaded", "host_prefix", "stop_token_ids", "ignore_eos", "score_prompt", "prompt_top")

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -63,18 +66,31 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The template's text, as transformers' apply_chat_template renders it: `tools` as given
+        (OpenAI's tool objects), `template_kwargs` (e.g. enable_thinking) as more variables."""
         if self._template is None:
             raise TokenizerError("this model has no chat template; send a plain prompt instead")
         for message in messages:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise TokenizerError("each chat message needs a 'role' and a 'content'")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_text(self.special.bos_id),
-            eos_token=self._token_text(self.special.eos_id),
-        )
+        try:
+            return self._template.render(
+                **(template_kwargs or {}),
+                messages=messages,
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.special.bos_id),
+                eos_token=self._token_text(self.special.eos_id),
+            )
+        except (jinja2.TemplateError, TypeError) as e:  # the template cannot render what the request holds
+            raise TokenizerError(f"the chat template cannot render these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         # The template already writes any BOS it wants.
@@ -244,14 +260,35 @@ def _token_at(tokens: list[str], token_id: int | None) -> str | None:
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    # Same environment flags as HF transformers so templates render identically.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # transformers' environment (apply_chat_template), so that templates render identically: its
+    # flags and loop controls, its tojson (JSON as json.dumps writes it: no HTML escapes, keys in
+    # order, where Jinja's sorts and escapes), strftime_now, and a {% generation %} block that
+    # renders its body (transformers tracks assistant tokens with it)
+    extensions = [_Generation, jinja2.ext.loopcontrols]
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
 
     def raise_exception(message: str) -> None:
         raise TokenizerError(f"chat template error: {message}")
 
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return env.from_string(source)
+
+
+class _Generation(jinja2.ext.Extension):
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
 
 
 class IncrementalDetokenizer:
