@@ -245,8 +245,8 @@ def parse_chat(body: dict, default_max_tokens: int) -> ParsedRequest:
         return dataclasses.replace(parsed, tool_calls=bool(request.tools) and request.tool_choice != "none")
     if parsed.params.structured is not None:
         raise ApiError(400, "a 'tool_choice' that forces a call constrains the output: it takes no 'response_format'", param="tool_choice")
-    tools = [tool.model_dump() for tool in request.tools]
-    params = dataclasses.replace(parsed.params, structured=_structured(lambda: forced_tool_schema(tools, forced.named)))
+    tools, parallel = [tool.model_dump() for tool in request.tools], request.parallel_tool_calls is not False
+    params = dataclasses.replace(parsed.params, structured=_structured(lambda: forced_tool_schema(tools, forced.named, parallel)))
     return dataclasses.replace(parsed, params=params, tool_calls=True, forced=forced)
 
 

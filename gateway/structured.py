@@ -89,9 +89,9 @@ def _from_structured_outputs(outputs: StructuredOutputs | None) -> Structured | 
     return ("lark" if name == "grammar" else "regex", value)
 
 
-def forced_tool_schema(tools: list[dict[str, Any]], named: str | None) -> Structured:
+def forced_tool_schema(tools: list[dict[str, Any]], named: str | None, parallel: bool = True) -> Structured:
     """tool_choice "required" (named None) or a named function, as vLLM constrains it: the function's
-    arguments object, or a non-empty array of calls of the offered functions."""
+    arguments object, or a non-empty array of calls of the offered functions (one, not `parallel`)."""
     functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if named is not None:
         if named not in functions:
@@ -106,7 +106,8 @@ def forced_tool_schema(tools: list[dict[str, Any]], named: str | None) -> Struct
         }
         for name, parameters in functions.items()
     ]
-    return ("json_schema", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}))
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
+    return ("json_schema", json.dumps(array))
 
 
 class ForcedToolCalls:

@@ -110,6 +110,7 @@ def _bench_parser(sub) -> None:
         recall_gather,
         selection_scorers,
         serving_overhead,
+        structured_masks,
     )
     from pulseinfer.bench import serve as serve_bench
     from pulseinfer.bench.decode import DecodeBenchConfig
@@ -181,6 +182,12 @@ def _bench_parser(sub) -> None:
             prefix_tiers,
             prefix_tiers.PrefixTiersBenchConfig,
             "a trace replay with the host tier as the prefix cache's second level and without, per mode (starts its servers)",
+        ),
+        (
+            "structured-masks",
+            structured_masks,
+            structured_masks.StructuredMasksBenchConfig,
+            "structured outputs' grammar masks: the sampler of a batch under JSON schemas against it unconstrained",
         ),
         (
             "selection-scorers",

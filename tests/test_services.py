@@ -35,7 +35,10 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = ServingCluster("--workers", "2", "--worker-timeout-s", "2", "--host-kv-tokens", "16384", api_key=API_KEY)
+    # Qwen3's chat parser (reasoning, hermes tool calls): SmolLM2 writes neither unless a constraint makes it
+    cluster = ServingCluster(
+        "--workers", "2", "--worker-timeout-s", "2", "--host-kv-tokens", "16384", "--chat-parser", "qwen3", api_key=API_KEY
+    )  # fmt: skip
     yield cluster
     assert cluster.stop() == 0
 
@@ -733,3 +736,36 @@ def test_a_forced_tool_choice_returns_calls_valid_against_the_functions_schema_s
             model=MODEL, messages=messages, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}
         )
     assert refused.value.body["param"] == "tool_choice"
+
+
+def test_reasoning_and_tool_calls_in_the_models_own_format_divide_whole_and_streamed(client):
+    """With tools offered (tool_choice auto) the output is parsed in the served parser's format (qwen3:
+    <think> reasoning, hermes <tool_call> JSON). A regex constraint makes SmolLM2 write that format:
+    the reasoning goes to reasoning_content, the call to tool_calls with the finish reason tool_calls,
+    and the streamed deltas add up to the same; without tools the call stays content."""
+    written = r"<think>\nI should look it up\.\n</think>\n\n" + (
+        r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Lyon)", "days": [1-7]\}\}\n</tool_call>'
+    )
+    messages = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    request = dict(model=MODEL, messages=messages, max_tokens=80, temperature=0, extra_body={"structured_outputs": {"regex": written}})
+    full = client.chat.completions.create(**request, tools=[WEATHER])
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "\nI should look it up.\n"
+    ((call,),) = [choice.message.tool_calls]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Lyon")
+    reasoning, calls, reasons = "", {}, []
+    for chunk in client.chat.completions.create(**request, tools=[WEATHER], stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            assert not delta.content
+            for part in delta.tool_calls or []:
+                entry = calls.setdefault(part.index, ["", ""])
+                entry[0] += part.function.name or ""
+                entry[1] += part.function.arguments or ""
+            reasons.append(chunk.choices[0].finish_reason)
+    assert reasoning == "\nI should look it up.\n" and reasons[-1] == "tool_calls"
+    assert calls == {0: [call.function.name, call.function.arguments]}
+    plain = client.chat.completions.create(**request).choices[0]  # no tools offered: no call parsed
+    assert plain.finish_reason == "stop" and plain.message.content.startswith("\n\n<tool_call>") and not plain.message.tool_calls
