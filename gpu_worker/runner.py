@@ -21,7 +21,7 @@ from pulseinfer.gpu_worker.model.decoder import Decoder
 from pulseinfer.gpu_worker.model.loader import LoadedModel
 from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
-from pulseinfer.gpu_worker.sampler import logprobs_of, sample_with_logprobs, score
+from pulseinfer.gpu_worker.sampler import GrammarMasks, logprobs_of, sample_with_logprobs, score
 from pulseinfer.gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
 from pulseinfer.kv_store.client import KVStoreUnavailable
 from pulseinfer.scheduler.plan import Chunk, Logprobs, RecallStats, SampledToken, StepOutcome, StepPlan
@@ -116,6 +116,7 @@ class ModelRunner:
         tiered = host is not None and loaded.config.kv_layers and self.window is None
         self.hierarchy = KVHierarchy(self.cache, host, self.offload) if tiered else None
         self.attention = attention_backend(self.cache, self.offload, self.window, loaded.config)
+        self.masks = GrammarMasks()
 
     def _window_cache(self, loaded: LoadedModel) -> WindowCache:
         history = self.cache.spec.num_tokens if self.config.window_history == "on" else 0
@@ -178,6 +179,7 @@ class ModelRunner:
         if self.offload is not None:
             self.offload.close()
         self.cache.close()
+        self.masks.close()
 
     @property
     def window_history(self) -> bool:
@@ -231,6 +233,8 @@ class ModelRunner:
                 self.offload.name_blocks(plan.names)
             return StepOutcome([], failed)
         started, recalled = time.perf_counter(), self._recalled()
+        sampled = [c for c in plan.chunks if c.sampling is not None]
+        masks = self.masks.start([c.sampling for c in sampled]) if pick is None else None  # made while the forward runs
         batch = build_batch(plan, self.cache.spec.block_size, self.device)
         attention = self.attention.begin(plan, batch)
         try:
@@ -238,11 +242,10 @@ class ModelRunner:
         finally:
             attention.finish()
         logits = self.model.logits(hidden[batch.sample_index])
-        sampled = [c for c in plan.chunks if c.sampling is not None]
         if pick is not None:
             picked, logprobs = pick(logits, sampled), [None] * len(sampled)
         else:
-            picked, logprobs = sample_with_logprobs(logits, [c.sampling for c in sampled])
+            picked, logprobs = sample_with_logprobs(logits, [c.sampling for c in sampled], masks)
         prompt_logprobs = self._score_prompts(plan.chunks, batch.chunk_starts, hidden)
         if self.offload is not None:  # after sampling, whose read has drained the stream that naming waits for
             self.offload.name_blocks(plan.names)

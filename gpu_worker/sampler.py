@@ -11,6 +11,7 @@ and the one under which a temperature-0 request's logprobs are the model's log-s
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable
 
 import torch
@@ -39,14 +40,17 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int | str]:
     return sample_with_logprobs(logits, specs)[0]
 
 
-def sample_with_logprobs(logits: torch.Tensor, specs: list[SamplingSpec]) -> tuple[list[int | str], list[Logprobs | None]]:
+def sample_with_logprobs(
+    logits: torch.Tensor, specs: list[SamplingSpec], masks: Callable[[], torch.Tensor] | None = None
+) -> tuple[list[int | str], list[Logprobs | None]]:
     """A token per row, or, for a row that cannot be sampled (a broken model row), an error that
     fails only that row's request; and the token's log-probabilities for the rows that asked. The
     device is read once: every row's greedy token and finite check, the distributions of the rows
-    that sample, and the log-probabilities, in one transfer."""
+    that sample, and the log-probabilities, in one transfer. `masks`: the structured rows' grammar
+    masks, made while the forward ran (GrammarMasks.start); None: made here."""
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(specs)} sampling specs")
-    logits = _penalized(_biased(_constrained(logits, specs), specs), specs)
+    logits = _penalized(_biased(_constrained(logits, specs, masks), specs), specs)
     sampled = [i for i, spec in enumerate(specs) if spec.temperature >= _SAMPLING_EPS]
     reported = [i for i, spec in enumerate(specs) if spec.logprobs]
     argmax = logits.argmax(dim=-1)
@@ -148,14 +152,33 @@ def _biased(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
     return logits.float().index_put((index[0], index[1]), index[2], accumulate=True)
 
 
-def _constrained(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+class GrammarMasks:
+    """Makes a step's grammar masks on a thread of its own while the forward runs: llguidance and
+    torch's kernels release the GIL, so on a CPU as on a GPU the masks cost the step only what
+    outlasts its forward. One thread: a matcher is never used by two at once (the sampler advances
+    it only once its mask is made)."""
+
+    def __init__(self):
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")  # started at the first mask
+
+    def start(self, specs: list[SamplingSpec]) -> Callable[[], torch.Tensor] | None:
+        """The masks of the structured rows among `specs` (the step's sampled rows, in order), coming."""
+        matchers = [spec.grammar for spec in specs if spec.grammar is not None]
+        if not matchers:
+            return None
+        return self._thread.submit(fill_masks, matchers, matchers[0].tokenizer.vocab_size).result
+
+    def close(self) -> None:
+        self._thread.shutdown()
+
+
+def _constrained(logits: torch.Tensor, specs: list[SamplingSpec], masks: Callable[[], torch.Tensor] | None) -> torch.Tensor:
     """The logits with the tokens each structured row's grammar does not allow at -inf (vLLM masks
-    them first, before any other processing). The masks are made on the host, before the step's
-    first read of the device: on a GPU, while the forward's kernels still run."""
+    them first, before any other processing)."""
     rows = [i for i, spec in enumerate(specs) if spec.grammar is not None]
     if not rows:
         return logits
-    bitmask = fill_masks([specs[i].grammar for i in rows], specs[rows[0]].grammar.tokenizer.vocab_size)
+    bitmask = masks() if masks is not None else fill_masks([specs[i].grammar for i in rows], specs[rows[0]].grammar.tokenizer.vocab_size)
     return masked(logits, torch.tensor(rows), bitmask)
 
 
