@@ -632,13 +632,14 @@ def _structured_chat(client, schema: dict, temperature: float, stream: bool, see
     return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
 
 
-def test_every_json_schema_output_parses_and_validates_greedy_sampled_streamed_or_not(client):
+def test_every_json_schema_output_parses_and_validates_greedy_and_sampled_streamed_or_not(client):
     """55 schemas (nested objects, arrays, enums, required fields, bounded numbers, anyOf, $ref),
-    each greedy and sampled, streamed and not, 16 at a time (the worker batches their masks): every
+    each greedy and sampled, one streamed and the other not (alternating across schemas, so each
+    temperature is streamed for half of them), all at once (the workers batch their masks): every
     output is complete JSON that validates against its schema."""
     jsonschema = pytest.importorskip("jsonschema")
-    cases = [(i, temperature, stream) for i in range(len(SCHEMAS)) for temperature in (0.0, 1.0) for stream in (False, True)]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    cases = [(i, temperature, (i + k) % 2 == 1) for i in range(len(SCHEMAS)) for k, temperature in enumerate((0.0, 1.0))]
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         outputs = list(pool.map(lambda case: _structured_chat(client, SCHEMAS[case[0]], case[1], case[2], case[0]), cases))
     unfinished = [(case, content) for case, (content, reason) in zip(cases, outputs) if reason != "stop"]
     assert not unfinished, unfinished
@@ -646,21 +647,34 @@ def test_every_json_schema_output_parses_and_validates_greedy_sampled_streamed_o
         jsonschema.validate(json.loads(content), SCHEMAS[i])
 
 
+def _constrained_text(client, chat: bool, prompt: str, constraint: dict, temperature: float, stream: bool) -> str:
+    """A completion's or a chat's text under vLLM's structured_outputs `constraint`, streamed or not."""
+    common = dict(model=MODEL, max_tokens=40, temperature=temperature, seed=2, stream=stream, extra_body={"structured_outputs": constraint})
+    if chat:
+        got = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+        parts = [c.choices[0].delta.content or "" for c in got if c.choices] if stream else [got.choices[0].message.content]
+    else:
+        got = client.completions.create(prompt=prompt, **common)
+        parts = [c.choices[0].text for c in got if c.choices] if stream else [got.choices[0].text]
+    return "".join(parts)
+
+
 def test_regex_choice_grammar_and_json_object_constrain_completions_and_chat(client, engine, stub):
-    """vLLM's structured_outputs (regex, choice, Lark grammar, json_object) and OpenAI's json_object,
-    over completions, chat, gRPC and in process; a bad constraint is a 400 before anything is queued."""
+    """vLLM's structured_outputs (regex and choice greedy and sampled, streamed and not; a Lark
+    grammar, json_object) and OpenAI's json_object, over completions, chat, gRPC and in process; a
+    bad constraint is a 400 before anything is queued."""
+    date, choices = r"[0-9]{4}-[0-9]{2}-[0-9]{2}", ["yes", "no", "maybe so"]
+    for temperature in (0.0, 0.8):
+        for stream in (False, True):
+            text = _constrained_text(client, False, "Today's date is", {"regex": date}, temperature, stream)
+            assert re.fullmatch(date, text), (temperature, stream, text)
+            assert _constrained_text(client, True, CHAT[0]["content"], {"choice": choices}, temperature, stream) in choices
     base = {"model": MODEL, "prompt": "Today's date is", "max_tokens": 40, "temperature": 0.8, "seed": 1}
-    date = client.completions.create(**base, extra_body={"structured_outputs": {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}})
-    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.choices[0].text), date.choices[0].text
-    choices = ["yes", "no", "maybe so"]
-    picked = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=10, extra_body={"structured_outputs": {"choice": choices}}
-    )
-    assert picked.choices[0].message.content in choices
     lark = 'start: expr\nexpr: NUMBER | expr "+" NUMBER\nNUMBER: /[1-9][0-9]?/'
     sums = client.completions.create(**base, extra_body={"structured_outputs": {"grammar": lark}})
     assert re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)*", sums.choices[0].text), sums.choices[0].text
-    anything = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, response_format={"type": "json_object"})
+    any_object = {"type": "json_object"}
+    anything = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=100, temperature=0, response_format=any_object)
     assert anything.choices[0].finish_reason == "stop" and isinstance(json.loads(anything.choices[0].message.content), dict)
     sampling = generate_pb2.SamplingParams(
         max_tokens=10, structured=generate_pb2.StructuredOutput(kind="choice", value=json.dumps(choices))
