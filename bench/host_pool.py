@@ -10,14 +10,12 @@ of a layer into a reused buffer. Baseline: torch copy_ of a contiguous buffer of
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pulseinfer.bench.timing import seconds_per_call
+from pulseinfer.bench.timing import report, seconds_per_call
 from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.kv_store.layout import PoolGeometry
 from pulseinfer.kv_store.pool import SharedPool
@@ -71,9 +69,5 @@ def main(args: HostPoolBenchConfig, json_path: Path | None = None) -> int:
     finally:
         view.close()
         pool.close()
-    for key, value in results.items():
-        print(f"{key:24s} {value:.3f}" if isinstance(value, float) else f"{key:24s} {value}")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"settings": dataclasses.asdict(args), **results}, indent=1))
+    report(args, results, json_path, 24)
     return 0

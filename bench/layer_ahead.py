@@ -14,7 +14,6 @@ blocks attention went without are counted.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pydoc_data.topics
 import statistics
@@ -28,6 +27,7 @@ from pathlib import Path
 import zmq
 
 from pulseinfer.bench.decode import agreement, serve
+from pulseinfer.bench.timing import write_results
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
@@ -149,7 +149,5 @@ def main(args: LayerAheadBenchConfig, json_path: Path | None = None) -> int:
                 results[path], tokens[path] = run_path(loaded, host, args, prompts)
     results["paths_agree"] = len({json.dumps(t) for t in tokens.values()}) == 1  # every path decodes the same tokens
     print(json.dumps({p: {n: results[p][n]["io_wait_ratio"] for n, *_ in RUNS[1:]} for p in paths}))
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"settings": dataclasses.asdict(args), **results}, indent=1) + "\n")
+    write_results(args, results, json_path)
     return 0

@@ -15,14 +15,12 @@ contiguous case). Per decode step and for every layer:
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pulseinfer.bench.timing import seconds_per_call
+from pulseinfer.bench.timing import report, seconds_per_call
 from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.kernels.gather_scatter import recall_ref
 from pulseinfer.kv_store.view import PoolView
@@ -100,9 +98,5 @@ def main(args: RecallGatherBenchConfig, json_path: Path | None = None) -> int:
     }
     for name in ("pulse_gather", "pulse_recall", "headwise_recall"):
         results[f"{name}_over_contiguous"] = seconds["contiguous"] / seconds[name]
-    for key, value in results.items():
-        print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"settings": dataclasses.asdict(args), **results}, indent=1) + "\n")
+    report(args, results, json_path, 32)
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pulseinfer.bench.timing import report
 from pulseinfer.common.grammar import GrammarTokenizer, fill_masks, masked, structured_grammar
 from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.gpu_worker.sampler import sample
@@ -57,11 +58,7 @@ def main(args: StructuredMasksBenchConfig, json_path: Path | None = None) -> int
     results |= {f"{name}_ms_p95": sorted(t)[int(0.95 * (len(t) - 1))] * 1e3 for name, t in times.items()}
     results["constrained_over_unconstrained"] = results["constrained_ms_mean"] / results["unconstrained_ms_mean"]
     results["vocab"] = vocab
-    for key, value in results.items():
-        print(f"{key:36s} {value:.3f}" if isinstance(value, float) else f"{key:36s} {value}")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"settings": dataclasses.asdict(args), **results}, indent=1) + "\n")
+    report(args, results, json_path, 36)
     return 0
 
 

@@ -247,7 +247,23 @@ def parse_hermes_tool_calls(text: str, new_id: IdFactory = make_tool_call_id) ->
     return "".join(segments) or None, calls
 
 
-class HermesToolStream:
+class _BufferedToolStream:
+    """A tool stream over a text buffer: each delta is appended and what can be sent is drained."""
+
+    _buf: str
+
+    def feed(self, delta: str) -> ChatDelta:
+        self._buf += delta
+        return self._drain(final=False)
+
+    def flush(self) -> ChatDelta:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> ChatDelta:
+        raise NotImplementedError
+
+
+class HermesToolStream(_BufferedToolStream):
     """parse_hermes_tool_calls, streamed. Content streams as it comes, less a possible `<tool_call>`
     piece at its end, and less leading whitespace, held until it is known to precede no call. A block
     is buffered to its `</tool_call>` (or the end), then sent as a call (name, then all its arguments)
@@ -260,13 +276,6 @@ class HermesToolStream:
         self._scanned = 0  # in a block: how much of _buf holds no </tool_call>
         self._held: str | None = ""  # the whitespace a run of content began with; None once it had more
         self._calls = 0
-
-    def feed(self, delta: str) -> ChatDelta:
-        self._buf += delta
-        return self._drain(final=False)
-
-    def flush(self) -> ChatDelta:
-        return self._drain(final=True)
 
     def _drain(self, final: bool) -> ChatDelta:
         content: list[str] = []
@@ -364,7 +373,7 @@ def parse_llama3_json_tool_calls(text: str, new_id: IdFactory = make_tool_call_i
     return None, [_tool_call(new_id(), *call) for call in calls]
 
 
-class Llama3JsonToolStream:
+class Llama3JsonToolStream(_BufferedToolStream):
     """parse_llama3_json_tool_calls, streamed: an output starting with `{` or <|python_tag|> (after
     whitespace) is buffered to the end, then sent as calls or as content; any other streams as content."""
 
@@ -372,13 +381,6 @@ class Llama3JsonToolStream:
         self._new_id = new_id
         self._buf = ""
         self._state = "start"  # start -> calls | content
-
-    def feed(self, delta: str) -> ChatDelta:
-        self._buf += delta
-        return self._drain(final=False)
-
-    def flush(self) -> ChatDelta:
-        return self._drain(final=True)
 
     def _drain(self, final: bool) -> ChatDelta:
         if self._state == "start":
