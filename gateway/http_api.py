@@ -18,21 +18,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pulseinfer.gateway.chat_parsers import PARSERS, ChatOutput, ChatParser, prompt_opens_think
+from pulseinfer.gateway.chat_parsers import PARSERS, ChatOutput, ChatParser
+from pulseinfer.gateway.chat_text import prompt_opens_think
 from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, Prompt, key_matches
 from pulseinfer.gateway.logprobs import NO_LOGPROBS, ChoiceView, LogprobFormat
 from pulseinfer.gateway.openai_api import (
     ApiError,
-    ChoiceOutput,
     ParsedRequest,
-    ResponseShape,
-    finish_reason,
     parse_body,
     parse_chat,
     parse_completion,
     parse_detokenize,
     parse_tokenize,
 )
+from pulseinfer.gateway.openai_responses import ChoiceOutput, ResponseShape, finish_reason
 from pulseinfer.scheduler.plan import Logprobs
 from pulseinfer.scheduler.request import check_token_ids
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pulseinfer.gateway.core import Delta
-from pulseinfer.gateway.openai_api import ChoiceOutput, ParsedRequest
+from pulseinfer.gateway.openai_api import ParsedRequest
+from pulseinfer.gateway.openai_responses import ChoiceOutput
 from pulseinfer.scheduler.plan import Logprobs
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token the sampler could not pick (banned by min_tokens) reports this, as vLLM's does

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pulseinfer.gateway.chat_parsers import ChatDelta, ChatParts, IdFactory, make_tool_call_id
+from pulseinfer.gateway.chat_text import ChatDelta, ChatParts, IdFactory, make_tool_call_id
 
 Structured = tuple[str, str]  # SamplingParams.structured: (kind, value text)
 

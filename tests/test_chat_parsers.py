@@ -10,17 +10,16 @@ import re
 
 import pytest
 
-from pulseinfer.gateway.chat_parsers import (
+from pulseinfer.gateway.chat_parsers import parser_for
+from pulseinfer.gateway.chat_text import (
     ChatDelta,
     ChatParts,
     Qwen3ReasoningStream,
     make_tool_call_id,
-    parse_hermes_tool_calls,
-    parse_llama3_json_tool_calls,
-    parser_for,
     prompt_opens_think,
     split_qwen3_reasoning,
 )
+from pulseinfer.gateway.tool_parsers import parse_hermes_tool_calls, parse_llama3_json_tool_calls
 
 
 def ids():

@@ -13,7 +13,7 @@ from pulseinfer.bench import control_plane as cp
 from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.gateway.http_api import _sse_line
 from pulseinfer.gateway.metrics import GatewayMetrics
-from pulseinfer.gateway.openai_api import ResponseShape
+from pulseinfer.gateway.openai_responses import ResponseShape
 from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.gpu_worker.simulated import SimulatedRunner, simulated_token
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2
