@@ -49,17 +49,24 @@ class SamplingSpec:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return penalizes(self)
 
 
-PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # SamplingParams' and SamplingSpec's
+# SamplingParams' and SamplingSpec's penalties, with the values that turn them off
+PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def penalizes(sampling: object) -> bool:
+    """Whether SamplingParams or a SamplingSpec has a penalty on."""
+    return any(getattr(sampling, name) != off for name, off in PENALTIES.items())
 
 
 @dataclass(eq=False, slots=True)
 class TokenHistory:
-    """The tokens a penalized request's penalties look at, shared by its specs: the prompt's (for the
-    repetition penalty; empty without it) and the generated ones, which its owner appends as they are
-    sampled. `cache`: the sampler's device copies of them, kept here so they die with the request."""
+    """The tokens a request's penalties look at and its grammar is advanced past when it is re-admitted,
+    shared by its specs: the prompt's (for the repetition penalty; empty without it) and the generated
+    ones, which its owner appends as they are sampled. `cache`: the sampler's device copies of them,
+    kept here so they die with the request."""
 
     prompt: tuple[int, ...]
     outputs: array[int]

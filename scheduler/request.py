@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pulseinfer.common.grammar import GRAMMAR_KINDS, GrammarMatcher
-from pulseinfer.scheduler.plan import PENALTIES, Logprobs, SamplingSpec, TokenHistory
+from pulseinfer.scheduler.plan import PENALTIES, Logprobs, SamplingSpec, TokenHistory, penalizes
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
@@ -52,7 +52,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return penalizes(self)
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first bad field."""
@@ -212,7 +212,7 @@ class Sequence:
         return spec
 
     def token_history(self) -> TokenHistory:
-        """Its penalties' history, made once: the outputs are its own list, appended as tokens come back."""
+        """Its sampling history, made once: the outputs are its own array, appended as tokens come back."""
         if self.history is None:
             prompt = tuple(self.prompt_ids) if self.params.repetition_penalty != 1 else ()
             self.history = TokenHistory(prompt, self.output_ids)
