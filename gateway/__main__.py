@@ -1,4 +1,4 @@
-"""`python -m pulseinfer.gateway --scheduler HOST:PORT [--http-port 8000] [--grpc-port 50051] [--api-key-file PATH] [--model PATH]`
+"""`python -m pulseinfer.gateway --nodes HOST:PORT[,...] [--http-port 8000] [--grpc-port 50051] [--api-key-file PATH] [--model PATH]`
 
 The API key: the content of --api-key-file, else $PULSEINFER_API_KEY (never a flag's value)."""
 

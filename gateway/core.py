@@ -19,8 +19,9 @@ from pulseinfer.common.grammar import GrammarTokenizer, structured_grammar
 from pulseinfer.common.model.meta import ModelMeta
 from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gateway.metrics import GatewayMetrics
-from pulseinfer.gateway.session import SchedulerSession, Submitted
-from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
+from pulseinfer.gateway.nodes import Nodes, summed
+from pulseinfer.gateway.session import Submitted
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2
 from pulseinfer.scheduler.plan import Logprobs
 from pulseinfer.scheduler.request import SamplingParams, check_token_ids
 from pulseinfer.scheduler.wire import logprobs_from_proto, params_to_proto
@@ -100,7 +101,7 @@ class GatewayCore:
         self,
         meta: ModelMeta,
         model_id: str,
-        scheduler: generate_pb2_grpc.SchedulerStub,
+        nodes: Nodes,
         metrics: GatewayMetrics,
         grammars: Callable[[], GrammarTokenizer] | None = None,
     ):
@@ -109,8 +110,7 @@ class GatewayCore:
         self.grammars = grammars
         self.tokenizer = meta.tokenizer
         self.model_id = model_id
-        self.scheduler = scheduler
-        self.session = SchedulerSession(scheduler)
+        self.nodes = nodes
         self.metrics = metrics
 
     @property
@@ -165,7 +165,11 @@ class GatewayCore:
     async def generate(self, request: Prepared) -> AsyncIterator[Delta | Final]:
         """Streams text deltas, then one Final. Raises GenerationError only before the first event."""
         arrived = time.perf_counter()
-        submitted = self.session.submit(
+        try:
+            node = self.nodes.place(request.request_id, request.prompt_ids)
+        except LookupError as e:
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        submitted = node.session.submit(
             generate_pb2.ScheduleRequest(
                 request_id=request.request_id, prompt_ids=request.prompt_ids, sampling=params_to_proto(request.params)
             )
@@ -177,6 +181,7 @@ class GatewayCore:
                 yield event
         finally:
             submitted.close()  # no-op once finished; otherwise the scheduler frees the request
+            self.nodes.release(request.request_id)
 
     async def _accepted(self, submitted: Submitted) -> None:
         first = await submitted.first()
@@ -254,16 +259,25 @@ class GatewayCore:
         return Final(reason, len(request.prompt_ids), len(output), error, timings, cached_tokens)
 
     async def abort(self, request_id: str) -> bool:
-        return (await self.scheduler.Abort(generate_pb2.AbortRequest(request_id=request_id))).found
+        node = self.nodes.placed.get(request_id)
+        return node is not None and (await node.scheduler.Abort(generate_pb2.AbortRequest(request_id=request_id))).found
 
     async def reset_prefix_cache(self) -> int:
-        """Every worker's prefix cache forgets its blocks; the device blocks freed."""
-        return (await self.scheduler.ResetPrefixCache(generate_pb2.ResetPrefixCacheRequest())).freed_blocks
+        """Every node's prefix caches forget their blocks (the device blocks and host blocks freed);
+        raises grpc.aio.AioRpcError naming a node that did not answer."""
+        replies = await asyncio.gather(
+            *(n.scheduler.ResetPrefixCache(generate_pb2.ResetPrefixCacheRequest()) for n in self.nodes.nodes.values())
+        )
+        for node in self.nodes.nodes.values():
+            node.index.clear()
+        return sum(r.freed_blocks for r in replies)
 
-    async def cluster_stats(self, timeout_s: float = 1.0) -> generate_pb2.SchedulerStats | None:
-        try:
-            stats = await self.scheduler.Stats(generate_pb2.SchedulerStatsRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
+    async def cluster_stats(self) -> generate_pb2.SchedulerStats | None:
+        """The nodes' stats summed (polled now), into the metrics; None when no node answers."""
+        await self.nodes.poll()
+        answered = [n.stats for n in self.nodes.nodes.values() if n.stats is not None]
+        if not answered:
             return None
+        stats = summed(answered)
         self.metrics.set_cluster(stats)
         return stats

@@ -104,22 +104,13 @@ class HttpApi:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
+        """200 while some node can take requests; per node, its state and what is wrong with it."""
         stats = await self.core.cluster_stats()
-        problems = []
-        if stats is None:
-            problems.append("the scheduler is not answering")
-        else:
-            if stats.workers_alive == 0:
-                problems.append("no worker is alive")
-            if not stats.kv_store_alive:
-                problems.append("the kv_store is not answering")
-            corrupt = [stats.host_integrity_error] + [
-                f"worker {w.worker_id}: {w.integrity_error}" for w in stats.workers if w.integrity_error
-            ]
-            problems += [p for p in corrupt if p]
-        if problems:
-            return JSONResponse({"status": "unavailable", "problems": problems}, status_code=503)
-        return JSONResponse({"status": "ok", "workers_alive": stats.workers_alive})
+        nodes = self.core.nodes.health()
+        if not any(n["state"] == "up" for n in nodes.values()):
+            problems = [p if len(nodes) == 1 else f"node {a}: {p}" for a, n in nodes.items() for p in n["problems"]]
+            return JSONResponse({"status": "unavailable", "problems": problems, "nodes": nodes}, status_code=503)
+        return JSONResponse({"status": "ok", "workers_alive": stats.workers_alive if stats else 0, "nodes": nodes})
 
     async def metrics(self, request: Request) -> Response:
         await self.core.cluster_stats()
@@ -132,7 +123,7 @@ class HttpApi:
         try:
             freed = await self.core.reset_prefix_cache()
         except grpc.aio.AioRpcError as e:
-            return error_response(ApiError(503, f"the scheduler is not answering: {e.details()}"))
+            return error_response(ApiError(503, f"a node is not answering: {e.details()}"))
         return JSONResponse({"freed_blocks": freed})
 
     async def tokenize(self, request: Request) -> Response:

@@ -79,18 +79,15 @@ def render(metrics: list[Counter | Histogram]) -> str:
     return "\n".join(out) + "\n"
 
 
-class GatewayMetrics:
-    """vLLM-style names under the pulseinfer: prefix."""
+PREFIX = "pulseinfer:"
+
+
+class ClusterMetrics:
+    """What a node's scheduler reports (SchedulerStats), vLLM-style names under the pulseinfer: prefix:
+    a node's own /metrics (pulseinfer/node_status.py), and the gateway's for its nodes summed."""
 
     def __init__(self):
-        p = "pulseinfer:"
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from request arrival to its first token.")
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive tokens of a request.")
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to its end.")
-        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of admitted requests.")
-        self.generation_tokens = Counter(p + "generation_tokens_total", "Generated tokens.")
-        self.finished = Counter(p + "request_success_total", "Requests finished, by finish reason.")
-        self.errors = Counter(p + "request_errors_total", "Requests rejected or failed, by status code.")
+        p = PREFIX
         self.running = Gauge(p + "num_requests_running", "Requests in a worker's running batch.")
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for a worker.")
         self.device_kv = Gauge(p + "gpu_cache_usage_perc", "Share of the workers' device KV blocks in use (0-1).")
@@ -217,7 +214,7 @@ class GatewayMetrics:
         for metric in self.per_worker:
             metric.reset()
         for w in stats.workers:
-            label = str(w.worker_id)
+            label = f"{w.node_name}/{w.worker_id}" if w.node_name else str(w.worker_id)
             self.worker_running.set(w.running, worker=label)
             self.batch.set(w.last_decode_batch, worker=label)
             self.batch_max.set(w.max_decode_batch, worker=label)
@@ -237,6 +234,23 @@ class GatewayMetrics:
 
     def render(self) -> str:
         return render([v for v in vars(self).values() if isinstance(v, (Counter, Histogram))] + list(self.by_field.values()))
+
+
+class GatewayMetrics(ClusterMetrics):
+    """The nodes' metrics and the gateway's own: requests as its clients saw them."""
+
+    def __init__(self):
+        super().__init__()
+        p = PREFIX
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from request arrival to its first token.")
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive tokens of a request.")
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to its end.")
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.generation_tokens = Counter(p + "generation_tokens_total", "Generated tokens.")
+        self.finished = Counter(p + "request_success_total", "Requests finished, by finish reason.")
+        self.errors = Counter(p + "request_errors_total", "Requests rejected or failed, by status code.")
+        self.routed = Counter(p + "router_requests_total", "Requests the gateway sent to each node, and why it chose it.")
+        self.node_up = Gauge(p + "router_node_up", "1 while the node answers the gateway's polls, 0 while it does not.")
 
 
 def _seconds(name: str) -> str:

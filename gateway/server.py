@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import grpc
 import uvicorn
 
 from pulseinfer.common import grpc_common
@@ -13,12 +12,14 @@ from pulseinfer.common.api_key import resolve_api_key
 from pulseinfer.common.grammar import grammars_built_aside
 from pulseinfer.common.grpc_common import add_health_and_reflection, add_servicer, set_serving
 from pulseinfer.common.model.meta import load_model_meta, served_name
+from pulseinfer.common.tls import TlsConfig
 from pulseinfer.gateway.chat_parsers import chat_parser_for
 from pulseinfer.gateway.core import GatewayCore
 from pulseinfer.gateway.grpc_api import SERVICE, GenerationService
 from pulseinfer.gateway.http_api import MAX_REQUEST_BYTES, HttpApi
 from pulseinfer.gateway.metrics import GatewayMetrics
-from pulseinfer.proto.pulseinfer.v1 import generate_pb2_grpc
+from pulseinfer.gateway.nodes import DNS_PREFIX, Nodes
+from pulseinfer.gateway.router import RouterConfig
 
 log = logging.getLogger("gateway")
 
@@ -28,7 +29,9 @@ class GatewayConfig:
     model: str | None = None  # for the tokenizer and the context limit; the workers load the weights
     load_format: str = "auto"  # auto | dummy: seeded random weights of the model's geometry
     served_model_name: str | None = None  # default: the --model name, or the model file's name without suffixes
-    scheduler: str = "127.0.0.1:50052"
+    # the nodes' schedulers: comma-separated HOST:PORT or unix://PATH, and/or dns:NAME:PORT (every address
+    # the name resolves to, again every few seconds: a Kubernetes headless Service)
+    nodes: str = "127.0.0.1:50052"
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
@@ -38,6 +41,12 @@ class GatewayConfig:
     # chat outputs divided into reasoning_content, content and tool_calls: qwen3 (<think> and hermes
     # <tool_call>), hermes, llama3_json, none; auto: the model family's (README "Tool calls and reasoning")
     chat_parser: str = "auto"
+    router: RouterConfig = field(default_factory=RouterConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)  # mutual TLS to the nodes (their --listen)
+
+    def __post_init__(self) -> None:
+        for target in self.nodes.split(","):
+            self.tls.check_plaintext(target.strip().removeprefix(DNS_PREFIX), "--nodes")
 
     def resolved_api_key(self) -> str | None:
         """Never a flag's value: a command line is visible to every local user (`ps`)."""
@@ -49,10 +58,12 @@ async def serve(config: GatewayConfig) -> None:
     meta = load_model_meta(config.model, config.load_format)
     chat_parser = chat_parser_for(config.chat_parser, meta.config.architecture)  # a bad name fails before anything listens
     model_id = config.served_model_name or served_name(config.model, meta.source)
-    channel = grpc.aio.insecure_channel(config.scheduler)
+    metrics = GatewayMetrics()
+    nodes = Nodes(config.nodes, config.router, config.tls.channel, metrics)
     stops = [meta.tokenizer.eos_id] if meta.tokenizer.eos_id is not None else []
     grammars = grammars_built_aside(meta.tokenizer, meta.config.vocab_size, stops)
-    core = GatewayCore(meta, model_id, generate_pb2_grpc.SchedulerStub(channel), GatewayMetrics(), grammars)
+    core = GatewayCore(meta, model_id, nodes, metrics, grammars)
+    await nodes.start()
 
     server = grpc_common.server()
     add_servicer(server, GenerationService(core, api_key, config.default_max_tokens), SERVICE)
@@ -68,15 +79,16 @@ async def serve(config: GatewayConfig) -> None:
         uvicorn.Config(app, host=config.host, port=config.http_port, loop="none", http="httptools", log_level="warning", access_log=False)
     )
     log.info(
-        "gateway: model %s, HTTP http://%s:%d, gRPC %s, scheduler %s",
+        "gateway: model %s, HTTP http://%s:%d, gRPC %s, nodes %s (%s)",
         model_id,
         config.host,
         config.http_port,
         grpc_address,
-        config.scheduler,
+        config.nodes,
+        config.router.route,
     )
     try:
         await http.serve()  # returns on SIGINT/SIGTERM (uvicorn's handlers)
     finally:
         await server.stop(grace=1)
-        await channel.close()
+        await nodes.close()

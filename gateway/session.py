@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -25,11 +26,20 @@ class SchedulerSession:
     def __init__(self, scheduler: generate_pb2_grpc.SchedulerStub):
         self.scheduler = scheduler
         self._link: Link | None = None
+        self.lost_at: float | None = None  # when the last session broke (the router avoids the node until it answers again)
 
     def submit(self, request: generate_pb2.ScheduleRequest) -> Submitted:
         if self._link is None or self._link.broken:
-            self._link = Link(self.scheduler)
+            self._link = Link(self.scheduler, self._lost)
         return self._link.submit(request)
+
+    def _lost(self) -> None:
+        self.lost_at = time.monotonic()
+
+    def fail(self, error: str) -> None:
+        """The scheduler is unreachable: its open requests end now with `error`, not when TCP gives up."""
+        if self._link is not None and not self._link.broken:
+            self._link.fail(error)
 
 
 @dataclass(frozen=True)
@@ -61,8 +71,9 @@ class Link:
     """One Session call: a writer fed by a queue (grpc consumes the request iterator; nothing else
     writes) and a reader that hands each event to its request's inbox."""
 
-    def __init__(self, scheduler: generate_pb2_grpc.SchedulerStub):
+    def __init__(self, scheduler: generate_pb2_grpc.SchedulerStub, on_fail: Callable[[], None]):
         self.broken = False
+        self._on_fail = on_fail
         self._outgoing: asyncio.Queue[generate_pb2.SessionRequest] = asyncio.Queue()
         self._inboxes: dict[str, Inbox] = {}
         self._call = scheduler.Session(self._requests())
@@ -93,7 +104,7 @@ class Link:
             reason = "the gateway closed the session"
             raise
         finally:
-            self._break(f"lost the scheduler: {reason}")
+            self.fail(f"lost the scheduler: {reason}")
 
     def _deliver(self, response: generate_pb2.ScheduleResponse) -> None:
         inbox = self._inboxes.get(response.request_id)
@@ -105,8 +116,11 @@ class Link:
             del self._inboxes[response.request_id]
         inbox.put_nowait(response)
 
-    def _break(self, error: str) -> None:
+    def fail(self, error: str) -> None:
+        if self.broken:
+            return
         self.broken = True
+        self._on_fail()
         self._call.cancel()
         if self._inboxes:
             log.warning("%s; %d open requests failed", error, len(self._inboxes))

@@ -56,17 +56,45 @@ def _read_prompt(path: Path) -> str:
 
 
 def _serve_parser(sub) -> None:
-    from pulseinfer.launcher import ServeConfig
+    from pulseinfer.gateway.server import GatewayConfig
+    from pulseinfer.launcher import NodeConfig, ServeConfig
 
-    p = sub.add_parser("serve", help="run the cluster: gateway, scheduler, workers and kv_store as separate processes")
-    add_flags(p, ServeConfig)
-    p.set_defaults(handler=_serve)
+    commands = (
+        ("serve", ServeConfig, _serve, "run the cluster: gateway, scheduler, workers and kv_store as separate processes"),
+        ("node", NodeConfig, _node, "run one node of several: kv_store, scheduler and workers, for gateways elsewhere (--listen)"),
+        ("gateway", GatewayConfig, _gateway, "run a gateway routing to nodes (--nodes HOST:PORT,... or dns:NAME:PORT)"),
+    )
+    for name, config, handler, help_text in commands:
+        p = sub.add_parser(name, help=help_text)
+        add_flags(p, config)
+        p.set_defaults(handler=handler, config=config)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pulseinfer.launcher import ServeConfig, serve
+    from pulseinfer.launcher import serve
 
-    return serve(from_flags(ServeConfig, args))
+    return serve(from_flags(args.config, args))
+
+
+def _node(args: argparse.Namespace) -> int:
+    from pulseinfer.launcher import node
+
+    return node(from_flags(args.config, args))
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from pulseinfer.common.proc import setup_logging
+    from pulseinfer.gateway.server import serve
+
+    config = from_flags(args.config, args)
+    setup_logging("gateway")
+    try:
+        uvloop.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _eval_parser(sub) -> None:

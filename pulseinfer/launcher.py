@@ -1,4 +1,6 @@
-"""`pulseinfer serve`: the whole cluster on one machine, one OS process per service.
+"""`pulseinfer serve`: the whole cluster on one machine, one OS process per service; `pulseinfer
+node`: the same less the gateway, one host of several (DESIGN.md §11), its scheduler's gRPC on
+--listen for gateways elsewhere and its status (pulseinfer/node_status.py) on --metrics-listen.
 
 Starts kv_store, scheduler, N workers and the gateway in that order, each waiting for the
 one before to be ready; restarts a child that dies; on SIGINT/SIGTERM stops them all. Every
@@ -14,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,12 +29,14 @@ from pulseinfer import probe
 from pulseinfer.common.api_key import API_KEY_ENV, resolve_api_key
 from pulseinfer.common.flags import to_flags
 from pulseinfer.common.proc import PARENT_ENV, setup_logging
+from pulseinfer.common.tls import TlsConfig
 from pulseinfer.gateway.server import GatewayConfig
 from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.gpu_worker.server import WorkerServiceConfig
 from pulseinfer.gpu_worker.sparse import check_mode
 from pulseinfer.kv_store.segments import hold, remove_unheld, sweep
 from pulseinfer.kv_store.server import KVStoreConfig
+from pulseinfer.node_status import NodeStatus
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.core import SchedulerConfig
 
@@ -43,14 +48,12 @@ RUN_DIR_PREFIX = "pulseinfer-run-"
 
 
 @dataclass(frozen=True)
-class ServeConfig:
+class NodeConfig:
+    """One host's services: kv_store, scheduler and workers (`pulseinfer node`; `pulseinfer serve` adds the gateway)."""
+
     model: str | None = None
     load_format: str = "auto"  # auto | dummy: seeded random weights of the model's geometry
     workers: int = 1
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 50051
-    api_key_file: str | None = None  # the API key is this file's content; default: $PULSEINFER_API_KEY
     host_kv_tokens: int = KVStoreConfig.host_kv_tokens
     worker_timeout_s: float = SchedulerConfig.worker_timeout_s
     kv_store_timeout_s: float = WorkerServiceConfig.kv_store_timeout_s  # a worker's wait for a kv_store answer
@@ -59,7 +62,10 @@ class ServeConfig:
     # a benchmark tool (`pulseinfer bench control-plane`): > 0 gives every worker a forward of this fixed
     # time in place of the model (gpu_worker/simulated.py)
     simulate_step_ms: float = WorkerServiceConfig.simulate_step_ms
-    chat_parser: str = GatewayConfig.chat_parser  # how chat outputs divide into reasoning, content and tool calls
+    listen: str = "127.0.0.1:50052"  # the scheduler's gRPC for gateways: mutual TLS (--tls-*) unless loopback or --insecure
+    node_name: str = ""  # in Stats and metrics labels; default: the host name
+    metrics_listen: str = "127.0.0.1:9400"  # plain HTTP: GET /metrics, GET /health, POST /drain
+    tls: TlsConfig = field(default_factory=TlsConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
 
@@ -67,6 +73,29 @@ class ServeConfig:
         check_mode(self.worker.mode, self.batcher.offload)
         if not self.simulate_step_ms >= 0:
             raise ValueError(f"--simulate-step-ms must be >= 0 (0: the model's own forward), got {self.simulate_step_ms}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.listen:
+            self.tls.check_plaintext(self.listen, "--listen")
+
+    def reported_name(self) -> str:
+        return self.node_name or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class ServeConfig(NodeConfig):
+    """The whole cluster on one machine: a node and its gateway, which reaches the scheduler on a unix socket."""
+
+    listen: str = ""  # a gRPC address for gateways of other hosts too (as `pulseinfer node --listen`); none by default
+    metrics_listen: str = ""  # the gateway serves /metrics and /health
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    api_key_file: str | None = None  # the API key is this file's content; default: $PULSEINFER_API_KEY
+    chat_parser: str = GatewayConfig.chat_parser  # how chat outputs divide into reasoning, content and tool calls
+
+    def reported_name(self) -> str:
+        return self.node_name  # one machine: worker labels stay plain ids unless a name is given
 
 
 class Child:
@@ -133,21 +162,21 @@ def start_kv_store(address: str, host_kv_tokens: int, *flags: str, timeout_s: fl
 
 
 class Cluster:
-    def __init__(self, config: ServeConfig, run_dir: Path, api_key: str | None = None):
+    """A node's services (`pulseinfer node`), and with a ServeConfig their gateway (`pulseinfer serve`)."""
+
+    def __init__(self, config: NodeConfig, run_dir: Path, api_key: str | None = None):
         self.config = config
         kv = f"ipc://{run_dir}/kv_store"
         workers = f"ipc://{run_dir}/workers"
         self.scheduler_address = f"unix://{run_dir}/scheduler.sock"
         self.kv_address = kv
-        block = config.worker.block_size
-        kv_dtype = str(config.worker.torch_dtype()).removeprefix("torch.")
         kv_config = KVStoreConfig(
             model=config.model,
             load_format=config.load_format,
             bind=kv,
-            block_size=block,
+            block_size=config.worker.block_size,
             host_kv_tokens=config.host_kv_tokens,
-            kv_dtype=kv_dtype,
+            kv_dtype=str(config.worker.torch_dtype()).removeprefix("torch."),
         )
         sched_config = SchedulerConfig(
             grpc_bind=self.scheduler_address,
@@ -155,16 +184,10 @@ class Cluster:
             kv_store=kv,
             worker_timeout_s=config.worker_timeout_s,
             overlap=config.overlap,
+            listen=config.listen,
+            node_name=config.reported_name(),
+            tls=config.tls,
             batcher=config.batcher,
-        )
-        gateway_config = GatewayConfig(
-            model=config.model,
-            load_format=config.load_format,
-            scheduler=self.scheduler_address,
-            host=config.host,
-            http_port=config.http_port,
-            grpc_port=config.grpc_port,
-            chat_parser=config.chat_parser,
         )
         self.kv_store = Child("kv_store", "kv_store", to_flags(kv_config))
         self.scheduler = Child("scheduler", "scheduler", to_flags(sched_config))
@@ -187,11 +210,23 @@ class Cluster:
             )
             for i in range(config.workers)
         ]
-        self.gateway = Child("gateway", "gateway", to_flags(gateway_config), env={API_KEY_ENV: api_key} if api_key else None)
+        self.gateway = self._gateway(config, api_key) if isinstance(config, ServeConfig) else None
+
+    def _gateway(self, config: ServeConfig, api_key: str | None) -> Child:
+        gateway_config = GatewayConfig(
+            model=config.model,
+            load_format=config.load_format,
+            nodes=self.scheduler_address,
+            host=config.host,
+            http_port=config.http_port,
+            grpc_port=config.grpc_port,
+            chat_parser=config.chat_parser,
+        )
+        return Child("gateway", "gateway", to_flags(gateway_config), env={API_KEY_ENV: api_key} if api_key else None)
 
     @property
     def children(self) -> list[Child]:
-        return [self.kv_store, self.scheduler, *self.workers, self.gateway]
+        return [self.kv_store, self.scheduler, *self.workers] + ([self.gateway] if self.gateway else [])
 
     def start(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -199,8 +234,9 @@ class Cluster:
             ([self.kv_store], lambda: probe.kv_store(self.kv_address)),
             ([self.scheduler], lambda: probe.grpc_health(self.scheduler_address)),
             (self.workers, lambda: probe.workers(self.scheduler_address, len(self.workers))),
-            ([self.gateway], lambda: probe.http(f"http://{self.config.host}:{self.config.http_port}/health")),
         ]
+        if self.gateway:
+            steps.append(([self.gateway], lambda: probe.http(f"http://{self.config.host}:{self.config.http_port}/health")))
         for children, ready in steps:
             for child in children:
                 child.start()
@@ -233,25 +269,36 @@ class Cluster:
 
 
 def serve(config: ServeConfig) -> int:
-    if config.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {config.workers}")
-    config.worker.torch_device()  # fail here, not in N workers, when --device cuda has no GPU
     api_key = resolve_api_key(config.api_key_file)  # once: a bad --api-key-file fails before any child starts
+    where = (
+        f"HTTP http://{config.host}:{config.http_port}/v1 (OpenAI API), gRPC {config.host}:{config.grpc_port} (pulseinfer.v1.Generation)"
+    )
+    return _run(config, api_key, where)
+
+
+def node(config: NodeConfig) -> int:
+    """One host's kv_store, scheduler and workers for gateways elsewhere (`pulseinfer gateway --nodes`)."""
+    return _run(config, None, f"node gRPC {config.listen} (pulseinfer.v1.Scheduler)")
+
+
+def _run(config: NodeConfig, api_key: str | None, where: str) -> int:
+    config.worker.torch_device()  # fail here, not in N workers, when --device cuda has no GPU
     setup_logging("launcher")
     run_dir, held = _new_run_dir()
     cluster = Cluster(config, run_dir, api_key)
+    status = NodeStatus(config.metrics_listen, cluster.scheduler_address) if config.metrics_listen else None
     previous = {s: signal.signal(s, _raise_exit) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cluster.start()
-        print(
-            f"PulseInfer is serving: HTTP http://{config.host}:{config.http_port}/v1 (OpenAI API), "
-            f"gRPC {config.host}:{config.grpc_port} (pulseinfer.v1.Generation), {config.workers} worker(s) on {config.worker.device}",
-            flush=True,
-        )
+        if status:
+            status.start()
+        print(f"PulseInfer is serving: {where}, {config.workers} worker(s) on {config.worker.device}", flush=True)
         cluster.supervise()
     except SystemExit:
         log.info("shutting down")
     finally:
+        if status:
+            status.stop()
         cluster.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
         os.close(held)

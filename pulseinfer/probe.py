@@ -4,16 +4,19 @@
     python -m pulseinfer.probe grpc unix:///run/pulseinfer/scheduler.sock   # grpc.health.v1, overall status
     python -m pulseinfer.probe kv_store ipc:///run/pulseinfer/kv_store
     python -m pulseinfer.probe workers unix:///run/pulseinfer/scheduler.sock --min 1 [--worker-id 0]
+    python -m pulseinfer.probe drain http://127.0.0.1:9400 [--timeout-s 120]   # a node: drain, wait for its requests
 
 gRPC addresses are HOST:PORT or unix://PATH; kv_store addresses ipc://PATH or tcp://HOST:PORT.
 
-Exit code 0 when ready, 1 otherwise (with the reason on stderr).
+Exit code 0 when ready (drain: when the node has no request left), 1 otherwise (with the reason on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -72,20 +75,42 @@ def workers(address: str, minimum: int, worker_id: int | None = None, timeout_s:
     return stats
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
+def drain(url: str, timeout_s: float) -> None:
+    """Asks a node (its --metrics-listen URL) to take no new request, then waits until none runs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/drain", method="POST"), timeout=2.0) as response:
+                running = json.load(response)["running"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            raise NotReady(f"{url}/drain: {e}") from None
+        if running == 0:
+            return
+        if time.monotonic() > deadline:
+            raise NotReady(f"{running} requests still running after {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
         prog="python -m pulseinfer.probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("kind", choices=("http", "grpc", "kv_store", "workers"))
-    parser.add_argument("address")
-    parser.add_argument("--min", type=int, default=1, help="workers: how many must be alive")
-    parser.add_argument("--worker-id", type=int, help="workers: this one must be alive")
-    args = parser.parse_args()
+    p.add_argument("kind", choices=("http", "grpc", "kv_store", "workers", "drain"))
+    p.add_argument("address")
+    p.add_argument("--min", type=int, default=1, help="workers: how many must be alive")
+    p.add_argument("--worker-id", type=int, help="workers: this one must be alive")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="drain: how long to wait for running requests")
+    return p
+
+
+def main() -> int:
+    args = parser().parse_args()
     probes = {
         "http": lambda: http(args.address),
         "grpc": lambda: grpc_health(args.address),
         "kv_store": lambda: kv_store(args.address),
         "workers": lambda: workers(args.address, args.min, args.worker_id),
+        "drain": lambda: drain(args.address, args.timeout_s),
     }
     try:
         probes[args.kind]()

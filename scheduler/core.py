@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from pulseinfer.common.tls import TlsConfig
 from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator
 from pulseinfer.kv_store.prefix_cache import HostPrefix
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
@@ -53,6 +54,11 @@ class DuplicateRequest(ValueError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     grpc_bind: str = "127.0.0.1:50052"  # gateway -> scheduler
+    # a second gRPC address for gateways on other hosts (`pulseinfer node --listen`), under tls: mutual TLS
+    # or, with --insecure, plaintext; grpc_bind stays the node's own (loopback or unix) address
+    listen: str = ""
+    node_name: str = ""  # reported in Stats: worker ids are unique within a node, (node, worker id) across nodes
+    tls: TlsConfig = field(default_factory=TlsConfig)
     workers_bind: str = "tcp://127.0.0.1:5557"  # workers connect here
     kv_store: str = "tcp://127.0.0.1:5560"
     worker_timeout_s: float = 3.0  # no heartbeat for this long: the worker is dead
@@ -150,6 +156,7 @@ class SchedulerCore:
         self.clock = clock
         self.host = host
         self.workers: dict[int, WorkerHandle] = {}
+        self.draining = False
         self.requests: dict[str, RequestState] = {}
 
     # ------------------------------------------------------------ workers
@@ -203,6 +210,8 @@ class SchedulerCore:
             raise DuplicateRequest(f"request id {seq_id!r} is already in flight")
         if not self.workers:
             raise NoWorkers("no worker is alive")
+        if self.draining:
+            raise NoWorkers("this node is draining: it takes no new requests")
         vocab_size = next(iter(self.workers.values())).vocab_size
         seq = Sequence.admit(seq_id, request.prompt_ids, params_from_proto(request.sampling), vocab_size)
         # the worker whose device pool caches the longest prefix of it, then the least loaded
@@ -316,7 +325,7 @@ class SchedulerCore:
     # ------------------------------------------------------------ stats
 
     def stats(self) -> generate_pb2.SchedulerStats:
-        workers = [self._worker_stats(w) for w in self.workers.values()]
+        workers = [self._worker_stats(w, self.config.node_name) for w in self.workers.values()]
         return generate_pb2.SchedulerStats(
             running=sum(w.running for w in workers),
             waiting=sum(w.waiting for w in workers),
@@ -326,13 +335,17 @@ class SchedulerCore:
             workers=workers,
             cpu_s=time.process_time(),
             overlap=self.config.overlap == "on",
+            node_name=self.config.node_name,
+            draining=self.draining,
+            block_size=next((w.limits.block_size for w in self.workers.values()), 0),
         )
 
     @staticmethod
-    def _worker_stats(w: WorkerHandle) -> generate_pb2.WorkerStats:
+    def _worker_stats(w: WorkerHandle, node_name: str) -> generate_pb2.WorkerStats:
         c = w.counters
         return generate_pb2.WorkerStats(
             worker_id=w.worker_id,
+            node_name=node_name,
             pid=w.pid,
             running=len(w.batcher.running),
             waiting=len(w.batcher.waiting),

@@ -18,6 +18,7 @@ import grpc
 import zmq
 import zmq.asyncio
 from google.protobuf.message import DecodeError
+from grpc_health.v1.health import HealthServicer
 
 from pulseinfer.common import grpc_common
 from pulseinfer.common.grpc_common import Undecodable, add_health_and_reflection, add_servicer, set_serving
@@ -154,11 +155,19 @@ class GatewaySession:
 
 
 class SchedulerService(generate_pb2_grpc.SchedulerServicer):
-    def __init__(self, core: SchedulerCore, router: zmq.asyncio.Socket, kv_monitor: KVStoreMonitor, host_prefix: KVStorePrefix):
+    def __init__(
+        self,
+        core: SchedulerCore,
+        router: zmq.asyncio.Socket,
+        kv_monitor: KVStoreMonitor,
+        host_prefix: KVStorePrefix,
+        health: HealthServicer,
+    ):
         self.core = core
         self.router = router
         self.kv_monitor = kv_monitor
         self.host_prefix = host_prefix
+        self.health = health
 
     async def Session(self, requests, context):
         """One gateway's requests on one stream: whatever its requests' events piled up since the
@@ -220,6 +229,13 @@ class SchedulerService(generate_pb2_grpc.SchedulerServicer):
     async def ResetPrefixCache(self, request, context):
         freed = self.core.reset_prefix_cache() + self.host_prefix.drop_prefix_cache()
         return generate_pb2.ResetPrefixCacheResponse(freed_blocks=freed)
+
+    async def Drain(self, request, context):
+        if not self.core.draining:
+            log.info("draining: new requests are refused from now on")
+            self.core.draining = True
+            await set_serving(self.health, [SERVICE.full_name], False)
+        return generate_pb2.DrainResponse(running=len(self.core.requests))
 
     async def Stats(self, request, context):
         stats = self.core.stats()
@@ -314,15 +330,19 @@ async def serve(config: SchedulerConfig) -> None:
     router.bind(config.workers_bind)
     host_prefix = KVStorePrefix(KVStoreClient(zmq.Context.instance(), config.kv_store, timeout_s=KV_STORE_PREFIX_TIMEOUT_S))
     core = SchedulerCore(config, host=host_prefix.of_worker)
-    service = SchedulerService(core, router, KVStoreMonitor(context, config.kv_store), host_prefix)
     server = grpc_common.server()
-    add_servicer(server, service, SERVICE)
     health = add_health_and_reflection(server, [SERVICE.full_name])
+    service = SchedulerService(core, router, KVStoreMonitor(context, config.kv_store), host_prefix, health)
+    add_servicer(server, service, SERVICE)
     if server.add_insecure_port(config.grpc_bind) == 0:
         raise RuntimeError(f"cannot listen on {config.grpc_bind}")
+    if config.listen:
+        config.tls.add_port(server, config.listen)
     await server.start()
     await set_serving(health, [SERVICE.full_name], True)
-    log.info("scheduler: gRPC on %s, workers on %s", config.grpc_bind, config.workers_bind)
+    log.info(
+        "scheduler: gRPC on %s%s, workers on %s", config.grpc_bind, f" and {config.listen}" if config.listen else "", config.workers_bind
+    )
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -193,3 +193,18 @@ def params_from_proto(message: generate_pb2.SamplingParams, default_max_tokens: 
         **{name: get(name, getattr(d, name)) for name in PENALTIES},
         structured=(message.structured.kind, message.structured.value) if message.HasField("structured") else None,
     )
+
+
+def health_problems(stats: generate_pb2.SchedulerStats | None) -> list[str]:
+    """Why a node cannot take requests (none: it can); the gateway's /health asks the same of each node."""
+    if stats is None:
+        return ["the scheduler is not answering"]
+    problems = []
+    if stats.workers_alive == 0:
+        problems.append("no worker is alive")
+    if not stats.kv_store_alive:
+        problems.append("the kv_store is not answering")
+    if stats.draining:
+        problems.append("draining")
+    corrupt = [stats.host_integrity_error] + [f"worker {w.worker_id}: {w.integrity_error}" for w in stats.workers if w.integrity_error]
+    return problems + [p for p in corrupt if p]

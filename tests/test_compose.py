@@ -112,7 +112,7 @@ def test_internal_services_have_no_network_and_talk_over_unix_sockets_in_a_share
     assert kv.bind == scheduler.kv_store == worker.kv_store == f"ipc://{RUN_DIR}/kv_store"
     assert io_address(kv.bind) == f"ipc://{RUN_DIR}/kv_store.io"  # the kv_store's I/O engine, in the same volume
     assert scheduler.workers_bind == worker.scheduler == f"ipc://{RUN_DIR}/workers"
-    assert scheduler.grpc_bind == gateway.scheduler == f"unix://{RUN_DIR}/scheduler.sock"
+    assert scheduler.grpc_bind == gateway.nodes == f"unix://{RUN_DIR}/scheduler.sock"
 
 
 def test_healthchecks_probe_the_addresses_the_services_listen_on(compose):

@@ -13,6 +13,8 @@ import pytest
 from pulseinfer.common import grpc_common
 from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared
 from pulseinfer.gateway.metrics import GatewayMetrics
+from pulseinfer.gateway.nodes import Nodes
+from pulseinfer.gateway.router import RouterConfig
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 from pulseinfer.scheduler.batcher import QueueFull, RequestTooLarge
 from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers
@@ -69,7 +71,7 @@ class LetterTokenizer:
 
 async def start_scheduler(core: FakeCore, port: int = 0) -> tuple[grpc.aio.Server, int]:
     server = grpc_common.server()
-    grpc_common.add_servicer(server, SchedulerService(core, None, None, None), SERVICE)
+    grpc_common.add_servicer(server, SchedulerService(core, None, None, None, None), SERVICE)
     port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, port
@@ -77,7 +79,9 @@ async def start_scheduler(core: FakeCore, port: int = 0) -> tuple[grpc.aio.Serve
 
 def gateway(channel: grpc.aio.Channel) -> GatewayCore:
     meta = SimpleNamespace(tokenizer=LetterTokenizer(), config=SimpleNamespace(max_position=64, vocab_size=26))
-    return GatewayCore(meta, "fake", generate_pb2_grpc.SchedulerStub(channel), GatewayMetrics())
+    metrics = GatewayMetrics()
+    nodes = Nodes("127.0.0.1:1", RouterConfig(), lambda address, server_name: channel, metrics)
+    return GatewayCore(meta, "fake", nodes, metrics)
 
 
 def prepared(request_id: str, stop: tuple[str, ...] = ()) -> Prepared:

@@ -12,6 +12,8 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pulseinfer.common.tls import SERVER_KEEPALIVE
+
 # gRPC core queues calls that arrive faster than the event loop takes them, and past 1,000 such
 # (its default) cancels new ones at random: a burst of 1,300 calls got 9-14 CANCELLED that nobody
 # asked for. Above this bound the servers' own limits (the scheduler's queue: RESOURCE_EXHAUSTED)
@@ -20,8 +22,9 @@ SERVER_OPTIONS = (("grpc.server.max_pending_requests", 16384), ("grpc.server.max
 
 
 def server() -> grpc.aio.Server:
-    """A gRPC server of the cluster, with gRPC core's queue of pending calls raised (SERVER_OPTIONS)."""
-    return grpc.aio.server(options=SERVER_OPTIONS)
+    """A gRPC server of the cluster, with gRPC core's queue of pending calls raised (SERVER_OPTIONS),
+    taking the keepalive pings by which its clients notice a lost host (tls.py)."""
+    return grpc.aio.server(options=SERVER_OPTIONS + SERVER_KEEPALIVE)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

@@ -266,7 +266,7 @@ class SchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "running", "waiting", "device_blocks_total", "device_blocks_free", "steps", "decode_tokens", "decode_steps", "max_decode_batch", "last_decode_batch", "step_overhead_s", "preemptions", "pid", "offloaded", "integrity_error", "offloaded_admissions", "recall_units", "recall_transfers", "recall_bytes", "recall_wait_s", "recall_prefetched_units", "recall_corrected_units", "recall_io_busy_s", "recall_truncated_units", "recall_suspended_rows", "recall_resumed_layers", "link_bytes_per_s", "recall_bytes_per_offloaded_step", "decode_compute_s", "held_for_link", "max_running", "prefix_cached_blocks", "prefix_evicted_blocks", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens", "busy_s", "idle_s", "plan_bytes", "steady_steps", "steady_plan_bytes", "steady_plan_bytes_max", "inflight", "prefix_promoted_blocks", "prefix_demoted_blocks", "tier_copy_s", "tier_copy_s_max")
+    __slots__ = ("worker_id", "running", "waiting", "device_blocks_total", "device_blocks_free", "steps", "decode_tokens", "decode_steps", "max_decode_batch", "last_decode_batch", "step_overhead_s", "preemptions", "pid", "offloaded", "integrity_error", "offloaded_admissions", "recall_units", "recall_transfers", "recall_bytes", "recall_wait_s", "recall_prefetched_units", "recall_corrected_units", "recall_io_busy_s", "recall_truncated_units", "recall_suspended_rows", "recall_resumed_layers", "link_bytes_per_s", "recall_bytes_per_offloaded_step", "decode_compute_s", "held_for_link", "max_running", "prefix_cached_blocks", "prefix_evicted_blocks", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens", "busy_s", "idle_s", "plan_bytes", "steady_steps", "steady_plan_bytes", "steady_plan_bytes_max", "inflight", "prefix_promoted_blocks", "prefix_demoted_blocks", "tier_copy_s", "tier_copy_s_max", "node_name")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class WorkerStats(_message.Message):
     PREFIX_DEMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_COPY_S_FIELD_NUMBER: _ClassVar[int]
     TIER_COPY_S_MAX_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     running: int
     waiting: int
@@ -361,10 +362,11 @@ class WorkerStats(_message.Message):
     prefix_demoted_blocks: int
     tier_copy_s: float
     tier_copy_s_max: float
-    def __init__(self, worker_id: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., max_decode_batch: _Optional[int] = ..., last_decode_batch: _Optional[int] = ..., step_overhead_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., pid: _Optional[int] = ..., offloaded: _Optional[int] = ..., integrity_error: _Optional[str] = ..., offloaded_admissions: _Optional[int] = ..., recall_units: _Optional[int] = ..., recall_transfers: _Optional[int] = ..., recall_bytes: _Optional[int] = ..., recall_wait_s: _Optional[float] = ..., recall_prefetched_units: _Optional[int] = ..., recall_corrected_units: _Optional[int] = ..., recall_io_busy_s: _Optional[float] = ..., recall_truncated_units: _Optional[int] = ..., recall_suspended_rows: _Optional[int] = ..., recall_resumed_layers: _Optional[int] = ..., link_bytes_per_s: _Optional[float] = ..., recall_bytes_per_offloaded_step: _Optional[float] = ..., decode_compute_s: _Optional[float] = ..., held_for_link: _Optional[int] = ..., max_running: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., plan_bytes: _Optional[int] = ..., steady_steps: _Optional[int] = ..., steady_plan_bytes: _Optional[int] = ..., steady_plan_bytes_max: _Optional[int] = ..., inflight: _Optional[int] = ..., prefix_promoted_blocks: _Optional[int] = ..., prefix_demoted_blocks: _Optional[int] = ..., tier_copy_s: _Optional[float] = ..., tier_copy_s_max: _Optional[float] = ...) -> None: ...
+    node_name: str
+    def __init__(self, worker_id: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., max_decode_batch: _Optional[int] = ..., last_decode_batch: _Optional[int] = ..., step_overhead_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., pid: _Optional[int] = ..., offloaded: _Optional[int] = ..., integrity_error: _Optional[str] = ..., offloaded_admissions: _Optional[int] = ..., recall_units: _Optional[int] = ..., recall_transfers: _Optional[int] = ..., recall_bytes: _Optional[int] = ..., recall_wait_s: _Optional[float] = ..., recall_prefetched_units: _Optional[int] = ..., recall_corrected_units: _Optional[int] = ..., recall_io_busy_s: _Optional[float] = ..., recall_truncated_units: _Optional[int] = ..., recall_suspended_rows: _Optional[int] = ..., recall_resumed_layers: _Optional[int] = ..., link_bytes_per_s: _Optional[float] = ..., recall_bytes_per_offloaded_step: _Optional[float] = ..., decode_compute_s: _Optional[float] = ..., held_for_link: _Optional[int] = ..., max_running: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., plan_bytes: _Optional[int] = ..., steady_steps: _Optional[int] = ..., steady_plan_bytes: _Optional[int] = ..., steady_plan_bytes_max: _Optional[int] = ..., inflight: _Optional[int] = ..., prefix_promoted_blocks: _Optional[int] = ..., prefix_demoted_blocks: _Optional[int] = ..., tier_copy_s: _Optional[float] = ..., tier_copy_s_max: _Optional[float] = ..., node_name: _Optional[str] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "workers_alive", "device_blocks_total", "device_blocks_free", "host_blocks_total", "host_blocks_free", "workers", "kv_store_alive", "host_integrity_error", "kv_store_engine_recalls", "kv_store_engine_busy_s", "host_prefix_cached_blocks", "host_prefix_evicted_blocks", "cpu_s", "overlap", "host_prefix_demoted_blocks", "host_block_bytes")
+    __slots__ = ("running", "waiting", "workers_alive", "device_blocks_total", "device_blocks_free", "host_blocks_total", "host_blocks_free", "workers", "kv_store_alive", "host_integrity_error", "kv_store_engine_recalls", "kv_store_engine_busy_s", "host_prefix_cached_blocks", "host_prefix_evicted_blocks", "cpu_s", "overlap", "host_prefix_demoted_blocks", "host_block_bytes", "node_name", "draining", "block_size")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +385,9 @@ class SchedulerStats(_message.Message):
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     HOST_PREFIX_DEMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     workers_alive: int
@@ -401,7 +406,20 @@ class SchedulerStats(_message.Message):
     overlap: bool
     host_prefix_demoted_blocks: int
     host_block_bytes: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., kv_store_alive: _Optional[bool] = ..., host_integrity_error: _Optional[str] = ..., kv_store_engine_recalls: _Optional[int] = ..., kv_store_engine_busy_s: _Optional[float] = ..., host_prefix_cached_blocks: _Optional[int] = ..., host_prefix_evicted_blocks: _Optional[int] = ..., cpu_s: _Optional[float] = ..., overlap: _Optional[bool] = ..., host_prefix_demoted_blocks: _Optional[int] = ..., host_block_bytes: _Optional[int] = ...) -> None: ...
+    node_name: str
+    draining: bool
+    block_size: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., kv_store_alive: _Optional[bool] = ..., host_integrity_error: _Optional[str] = ..., kv_store_engine_recalls: _Optional[int] = ..., kv_store_engine_busy_s: _Optional[float] = ..., host_prefix_cached_blocks: _Optional[int] = ..., host_prefix_evicted_blocks: _Optional[int] = ..., cpu_s: _Optional[float] = ..., overlap: _Optional[bool] = ..., host_prefix_demoted_blocks: _Optional[int] = ..., host_block_bytes: _Optional[int] = ..., node_name: _Optional[str] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("running",)
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    def __init__(self, running: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()

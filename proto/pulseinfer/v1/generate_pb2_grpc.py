@@ -215,6 +215,11 @@ class SchedulerStub:
                 request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pulseinfer.v1.Scheduler/Drain',
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -244,6 +249,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """no new requests from now on (refused UNAVAILABLE, health NOT_SERVING): a node about to stop; idempotent
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +278,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -376,6 +393,33 @@ class Scheduler:
             '/pulseinfer.v1.Scheduler/ResetPrefixCache',
             pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheRequest.SerializeToString,
             pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pulseinfer.v1.Scheduler/Drain',
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
