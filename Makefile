@@ -26,6 +26,7 @@ serve: $(STAMP)
 
 # pytest, not `python -m pytest`: that puts the repo root on sys.path, where kernels/ would shadow HF's `kernels`
 test: $(STAMP)
+	bash scripts/fetch_helm.sh || echo "make test: no helm (see above): tests/test_helm_chart.py will skip"
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/pytest -q
 
@@ -79,6 +80,11 @@ gpu-wheels: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+
+# helm 3.17 at .cache/tools/helm, for the Helm chart's checks (tests/test_helm_chart.py; deploy/helm/pulseinfer)
+.PHONY: tools-helm
+tools-helm:
+	bash scripts/fetch_helm.sh
 
 # Regenerates the Python code of every schema in proto/ (committed; tests check it is current).
 proto: $(STAMP)
