@@ -214,7 +214,7 @@ def summed(stats: Sequence[generate_pb2.SchedulerStats]) -> generate_pb2.Schedul
     total = generate_pb2.SchedulerStats()
     for field in total.DESCRIPTOR.fields:
         values = [getattr(s, field.name) for s in stats]
-        if field.label == field.LABEL_REPEATED:
+        if field.is_repeated:
             getattr(total, field.name).extend(w for v in values for w in v)
         elif field.type == field.TYPE_BOOL:
             setattr(total, field.name, any(values))

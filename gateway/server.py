@@ -45,8 +45,8 @@ class GatewayConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)  # mutual TLS to the nodes (their --listen)
 
     def __post_init__(self) -> None:
-        for target in self.nodes.split(","):
-            self.tls.check_plaintext(target.strip().removeprefix(DNS_PREFIX), "--nodes")
+        for target in filter(None, (t.strip() for t in self.nodes.split(","))):  # Nodes names an empty entry
+            self.tls.check_plaintext(target.removeprefix(DNS_PREFIX), "--nodes")
 
     def resolved_api_key(self) -> str | None:
         """Never a flag's value: a command line is visible to every local user (`ps`)."""

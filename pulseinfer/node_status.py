@@ -40,7 +40,8 @@ class NodeStatus:
         log.info("node status on http://%s:%d (/metrics, /health, /drain)", *self.server.server_address[:2])
 
     def stop(self) -> None:
-        self.server.shutdown()
+        if self.thread.is_alive():  # shutdown() waits for a serve_forever that a failed startup never began
+            self.server.shutdown()
         self.server.server_close()
         self.channel.close()
 
