@@ -251,6 +251,8 @@ class GatewayMetrics(ClusterMetrics):
         self.errors = Counter(p + "request_errors_total", "Requests rejected or failed, by status code.")
         self.routed = Counter(p + "router_requests_total", "Requests the gateway sent to each node, and why it chose it.")
         self.node_up = Gauge(p + "router_node_up", "1 while the node answers the gateway's polls, 0 while it does not.")
+        self.index_blocks = Gauge(p + "router_index_blocks", "KV block names the router believes the node holds.")
+        self.block_events = Counter(p + "router_block_events_total", "Block names the node's events stored or removed.")
 
 
 def _seconds(name: str) -> str:

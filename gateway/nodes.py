@@ -48,12 +48,18 @@ class Node:
         self.missed = 0
         self.answered_at = 0.0
         self.retired = False  # gone from DNS: takes no new request, closed once its requests end
+        self.events: asyncio.Task | None = None  # follow_events, once the gateway has started
 
     @property
     def routable(self) -> bool:
         """Up, and answered a poll since its session last broke (a scheduler killed: at once, not at the next poll)."""
         lost = self.session.lost_at
         return self.state == "up" and not self.retired and (lost is None or self.answered_at > lost)
+
+    async def close(self) -> None:
+        if self.events is not None:
+            self.events.cancel()
+        await self.channel.close()
 
     def polled(self, stats: generate_pb2.SchedulerStats | None) -> None:
         if stats is None:
@@ -78,6 +84,26 @@ class Node:
         self.session.fail(f"lost node {self.address}: unreachable")
         self.index.clear()
 
+    async def follow_events(self, metrics: GatewayMetrics) -> None:
+        """Keeps the index equal to what the node says it holds (its block events), resuming where it
+        left off; the names the router adds as it sends requests stand until the node's events say otherwise."""
+        epoch = since = 0
+        while True:
+            if self.state in ("up", "unhealthy"):
+                try:
+                    async for batch in self.scheduler.BlockEvents(generate_pb2.BlockEventsRequest(epoch=epoch, since=since)):
+                        if batch.snapshot or batch.epoch != epoch:
+                            self.index.clear()
+                        self.index.add(batch.stored)
+                        self.index.remove(batch.removed)
+                        epoch, since = batch.epoch, batch.next
+                        metrics.block_events.inc(len(batch.stored) + len(batch.removed), node=self.address)
+                except grpc.aio.AioRpcError as e:
+                    log.info("node %s: block events ended (%s); the index stands on what was sent", self.address, e.code().name)
+            if self.state == "down":
+                epoch = since = 0  # its index was cleared: the next subscription starts from a snapshot
+            await asyncio.sleep(POLL_S)
+
     def report(self) -> dict:
         return {"state": self.state, "problems": self.problems, "in_flight": self.in_flight}
 
@@ -99,6 +125,7 @@ class Nodes:
         self.connect = connect
         self.metrics = metrics
         self.nodes: dict[str, Node] = {}
+        self._started = False
         self.names: list[tuple[str, int]] = []
         for target in (t.strip() for t in targets.split(",")):
             if not target:
@@ -114,12 +141,17 @@ class Nodes:
         self._tasks: list[asyncio.Task] = []
 
     def _add(self, address: str, server_name: str | None) -> None:
-        self.nodes[address] = Node(address, self.connect(address, server_name), self.config.index_blocks)
+        node = self.nodes[address] = Node(address, self.connect(address, server_name), self.config.index_blocks)
         self.metrics.node_up.set(0, node=address)
+        if self._started:
+            node.events = asyncio.create_task(node.follow_events(self.metrics))
 
     async def start(self) -> None:
+        self._started = True
         if self.names:
             await self._resolve()
+        for node in self.nodes.values():
+            node.events = node.events or asyncio.create_task(node.follow_events(self.metrics))
         await self.poll()
         self._tasks = [asyncio.create_task(self._every(POLL_S, self.poll))]
         if self.names:
@@ -129,7 +161,7 @@ class Nodes:
         for task in self._tasks:
             task.cancel()
         for node in self.nodes.values():
-            await node.channel.close()
+            await node.close()
 
     @staticmethod
     async def _every(period_s: float, work: Callable) -> None:
@@ -145,10 +177,11 @@ class Nodes:
         for node, stats in zip(nodes, await asyncio.gather(*(self._stats(n) for n in nodes)), strict=True):
             node.polled(stats)
             self.metrics.node_up.set(float(node.state == "up"), node=node.address)
+            self.metrics.index_blocks.set(len(node.index), node=node.address)
         for node in [n for n in nodes if n.retired and n.in_flight == 0]:
             del self.nodes[node.address]
             self.metrics.node_up.set(0, node=node.address)
-            await node.channel.close()
+            await node.close()
 
     @staticmethod
     async def _stats(node: Node) -> generate_pb2.SchedulerStats | None:

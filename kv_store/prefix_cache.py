@@ -18,8 +18,11 @@ them. Offloaded requests reuse host blocks in place. The host tier's own LRU dec
 from __future__ import annotations
 
 import hashlib
+import itertools
+import os
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,11 +52,16 @@ class PrefixStats:
     demoted_blocks: int = 0  # evicted device blocks sent to the host tier (the device side's count)
 
 
+Observer = Callable[[list[bytes], bool], None]  # names stored (True) or removed (False)
+
+
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator):
+    def __init__(self, allocator: BlockAllocator, observer: Observer | None = None):
+        """`observer` hears every name the cache starts or stops holding (block events, DESIGN.md §11)."""
         self.allocator = allocator
         self.blocks: OrderedDict[bytes, int] = OrderedDict()  # name -> device block, least recently used first
         self.stats = PrefixStats()
+        self.observer = observer
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -87,12 +95,16 @@ class PrefixCache:
 
     def insert(self, names: list[bytes], blocks: list[int]) -> None:
         """Names computed full blocks; a name already cached (computed twice at once) keeps its block."""
+        new = []
         for name, block in zip(names, blocks):
             if name in self.blocks:
                 self.blocks.move_to_end(name)
                 continue
             self.allocator.share(CACHE_OWNER, [block])
             self.blocks[name] = block
+            new.append(name)
+        if new and self.observer:
+            self.observer(new, True)
 
     def evictable(self) -> int:
         """Blocks only the cache references: free for the asking."""
@@ -110,11 +122,15 @@ class PrefixCache:
         evicted = [(name, self.blocks.pop(name)) for name in victims]
         self.allocator.release_blocks(CACHE_OWNER, [block for _, block in evicted])
         self.stats.evicted_blocks += len(evicted)
+        if victims and self.observer:
+            self.observer(victims, False)
         return evicted
 
     def clear(self) -> int:
         """Drops every name; blocks that requests still hold stay theirs. Returns the blocks freed."""
         self.stats.evicted_blocks += len(self.blocks)
+        if self.blocks and self.observer:
+            self.observer(list(self.blocks), False)
         self.blocks.clear()
         return self.allocator.release(CACHE_OWNER)
 
@@ -149,7 +165,8 @@ class HostBlocks:
 
     def __init__(self, num_blocks: int):
         self.allocator = BlockAllocator(num_blocks)
-        self.prefix = PrefixCache(self.allocator)
+        self.journal = BlockJournal()
+        self.prefix = PrefixCache(self.allocator, self.journal.record)
 
     def allocate(self, owner: str, count: int) -> list[int]:
         short = count - self.allocator.num_free
@@ -195,3 +212,42 @@ class HostBlocks:
 
     def drop_prefix_cache(self) -> int:
         return self.prefix.clear()
+
+
+@dataclass(frozen=True)
+class BlockEvents:
+    """What a reader of a BlockJournal gets: the names stored and removed since its last read or,
+    for a reader that is new, fell behind or read a journal since restarted (epoch), a snapshot:
+    every name held now (`stored`; forget what you had)."""
+
+    epoch: int
+    next: int  # ask `since` this next time
+    snapshot: bool
+    stored: list[bytes]
+    removed: list[bytes]
+
+
+class BlockJournal:
+    """A tier's block events (DESIGN.md §11), numbered and bounded: readers pull what changed since
+    their last number, so none is pushed to and a slow one costs a snapshot, not memory."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.epoch = int.from_bytes(os.urandom(7), "little")  # a restarted holder's journal is a new one
+        self.next = 0
+        self.entries: deque[tuple[bytes, bool]] = deque(maxlen=capacity)
+        self.listeners: list[Callable[[], None]] = []  # told after each record (a streaming reader's wake-up)
+
+    def record(self, names: list[bytes], stored: bool) -> None:
+        self.entries.extend((name, stored) for name in names)
+        self.next += len(names)
+        for listener in self.listeners:
+            listener()
+
+    def since(self, epoch: int, position: int, held: Callable[[], Iterable[bytes]]) -> BlockEvents:
+        """Events after `position` of journal `epoch`; `held`: every name held now, for a snapshot."""
+        first = self.next - len(self.entries)
+        if epoch != self.epoch or not first <= position <= self.next:
+            return BlockEvents(self.epoch, self.next, True, list(held()), [])
+        final = dict(itertools.islice(self.entries, position - first, None))  # a name's last event is its state
+        stored = [name for name, is_stored in final.items() if is_stored]
+        return BlockEvents(self.epoch, self.next, False, stored, [name for name, is_stored in final.items() if not is_stored])

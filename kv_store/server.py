@@ -88,6 +88,9 @@ class KVStore:
             return pb.KVStoreResponse(freed=self.host.drop_prefix_cache())
         if kind == "reserve_demotion":
             return self._reserve_demotion(request.reserve_demotion)
+        if kind == "prefix_events":
+            events = self.host.journal.since(request.prefix_events.epoch, request.prefix_events.since, lambda: self.host.prefix.blocks)
+            return pb.KVStoreResponse(prefix_events=pb.PrefixEvents(**vars(events)))
         return pb.KVStoreResponse(code=pb.KV_STORE_INVALID_ARGUMENT, error="empty request")
 
     def _register(self, request: pb.RegisterWorker) -> None:

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pulseinfer.kv_store.allocator import BlockAllocator
-from pulseinfer.kv_store.prefix_cache import ROOT, HostPrefix, PrefixCache, chain_hashes, promotion_owner
+from pulseinfer.kv_store.prefix_cache import ROOT, HostPrefix, Observer, PrefixCache, chain_hashes, promotion_owner
 from pulseinfer.scheduler.admission import LinkModel
 from pulseinfer.scheduler.handles import Handles
 from pulseinfer.scheduler.plan import PENDING_TOKEN, Admission, BlockNames, Chunk, RecallStats, SampledToken, StepPlan
@@ -88,7 +88,15 @@ class ModelLimits:
 
 
 class Batcher:
-    def __init__(self, config: BatcherConfig, limits: ModelLimits, allocator: BlockAllocator, host: HostPrefix | None = None):
+    def __init__(
+        self,
+        config: BatcherConfig,
+        limits: ModelLimits,
+        allocator: BlockAllocator,
+        host: HostPrefix | None = None,
+        observer: Observer | None = None,
+    ):
+        """`observer`: told each block name the device prefix cache stores or drops (the node's block events)."""
         """`host`: the host tier's prefix cache, which offloaded requests reuse (None: they do not)."""
         self.config = config
         self.limits = limits
@@ -110,7 +118,7 @@ class Batcher:
         self._releasing: dict[str, int | None] = {}  # seq_id -> the step that releases it (None: the next)
         windowed = limits.max_running > 0  # its sliding layers' KV is on the device only
         cached = config.prefix_cache == "on" and (not windowed or limits.window_history)
-        self.prefix = PrefixCache(allocator) if cached else None
+        self.prefix = PrefixCache(allocator, observer) if cached else None
         # the tiers as one hierarchy (kv_store/prefix_cache.py): evicted device blocks to demote, in the next plan
         self.hierarchy = cached and config.host_prefix_cache == "on" and limits.host_tier and host is not None and not windowed
         self.host = host if cached and not windowed and (limits.offload_blocks or self.hierarchy) else None

@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, field
 
 from pulseinfer.common.tls import TlsConfig
 from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator
-from pulseinfer.kv_store.prefix_cache import HostPrefix
+from pulseinfer.kv_store.prefix_cache import HostPrefix, Observer
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
+from pulseinfer.scheduler.node_blocks import NodeBlocks
 from pulseinfer.scheduler.plan import Logprobs, RecallStats, StepPlan
 from pulseinfer.scheduler.request import FinishReason, Sequence
 from pulseinfer.scheduler.wire import (
@@ -118,7 +119,7 @@ class WorkerCounters:
 
 
 class WorkerHandle:
-    def __init__(self, beat: worker_pb2.Heartbeat, batcher_config: BatcherConfig, now: float, host: HostPrefix | None):
+    def __init__(self, beat: worker_pb2.Heartbeat, batcher_config: BatcherConfig, now: float, host: HostPrefix | None, observer: Observer):
         self.worker_id = beat.worker_id
         self.pid = beat.pid
         self.identity = f"w{beat.worker_id}-{beat.pid}".encode()
@@ -128,7 +129,7 @@ class WorkerHandle:
             beat.max_position, eos, beat.block_size, beat.offload_blocks, beat.max_running, beat.host_tier, beat.window_history
         )
         self.vocab_size = beat.vocab_size
-        self.batcher = Batcher(batcher_config, self.limits, self.allocator, host)
+        self.batcher = Batcher(batcher_config, self.limits, self.allocator, host, observer)
         self.last_seen = now
         self.inflight: deque[tuple[StepPlan, float]] = deque()  # plans sent (oldest first) and when
         self.unsent: list[bytes] = []  # plans in flight the socket refused, to send again in order
@@ -156,6 +157,7 @@ class SchedulerCore:
         self.clock = clock
         self.host = host
         self.workers: dict[int, WorkerHandle] = {}
+        self.blocks = NodeBlocks()  # the block names this node holds, for the gateways' routers
         self.draining = False
         self.requests: dict[str, RequestState] = {}
 
@@ -168,7 +170,8 @@ class SchedulerCore:
             handle = None
         if handle is None:
             host = self.host(beat.worker_id) if self.host is not None else None
-            handle = self.workers[beat.worker_id] = WorkerHandle(beat, self.config.batcher, self.clock(), host)
+            handle = WorkerHandle(beat, self.config.batcher, self.clock(), host, self.blocks.device)
+            self.workers[beat.worker_id] = handle
         handle.last_seen = self.clock()
 
     def check_liveness(self) -> list[int]:
@@ -195,6 +198,8 @@ class SchedulerCore:
 
     def _lose_worker(self, handle: WorkerHandle, reason: str) -> None:
         del self.workers[handle.worker_id]
+        if handle.batcher.prefix is not None:  # its device pool is gone with it
+            self.blocks.device(list(handle.batcher.prefix.blocks), False)
         for state in [s for s in self.requests.values() if s.worker is handle]:
             self._finish(state, FinishReason.ERROR, f"{reason}; the request was lost")
 

@@ -9,10 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 import zmq
@@ -22,14 +18,14 @@ from grpc_health.v1.health import HealthServicer
 
 from pulseinfer.common import grpc_common
 from pulseinfer.common.grpc_common import Undecodable, add_health_and_reflection, add_servicer, set_serving
-from pulseinfer.kv_store.client import HostPoolLost, KVStoreClient, KVStoreUnavailable
-from pulseinfer.kv_store.prefix_cache import HostPrefix
-from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2, worker_pb2
+from pulseinfer.kv_store.client import KVStoreClient
+from pulseinfer.kv_store.prefix_cache import BlockEvents
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 from pulseinfer.scheduler.batcher import QueueFull, RequestTooLarge
 from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore, Sink
+from pulseinfer.scheduler.kv_store_link import KV_STORE_PREFIX_TIMEOUT_S, KVStoreMonitor, KVStorePrefix
 
 log = logging.getLogger("scheduler")
-T = TypeVar("T")
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Scheduler"]
 SUBMIT_ERRORS = {
@@ -39,68 +35,8 @@ SUBMIT_ERRORS = {
     DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
 }
-KV_STORE_POLL_S = 1.0
-KV_STORE_PREFIX_TIMEOUT_S = 0.5  # the loop waits on a placement's prefix lookup: a store that does not answer is skipped
-KV_STORE_PREFIX_BACKOFF_S = 5.0
-
-
-class KVStorePrefix:
-    """The host tier's prefix cache in the kv_store, as placements ask it: a blocking round trip per
-    offloaded placement (and one estimate per request waiting under pressure). A store that does not
-    answer, or restarted and does not know the worker yet, has nothing cached; one that timed out is
-    not asked again for a while."""
-
-    def __init__(self, client: KVStoreClient):
-        self.client = client
-        self._quiet_until = 0.0
-
-    def of_worker(self, worker_id: int) -> HostPrefix:
-        return WorkerHostPrefix(self, worker_id)
-
-    def match(self, names: list[bytes]) -> int:
-        return self._ask(lambda: self.client.match(names), 0)
-
-    def acquire(self, owner: str, names: list[bytes], worker_id: int) -> list[int]:
-        return self._ask(lambda: self.client.acquire(owner, names, worker_id), [])
-
-    def release(self, owner: str) -> int:
-        return self._ask(lambda: self.client.release(owner), 0)
-
-    def drop_prefix_cache(self) -> int:
-        return self._ask(self.client.drop_prefix_cache, 0)
-
-    def _ask(self, call: Callable[[], T], nothing: T) -> T:
-        if time.monotonic() < self._quiet_until:
-            return nothing
-        try:
-            return call()
-        except KVStoreUnavailable as e:
-            log.warning("host prefix cache skipped for %.0f s: %s", KV_STORE_PREFIX_BACKOFF_S, e)
-            self._quiet_until = time.monotonic() + KV_STORE_PREFIX_BACKOFF_S
-        except (HostPoolLost, ValueError) as e:
-            log.info("host prefix cache: %s", e)
-        return nothing
-
-    def close(self) -> None:
-        self.client.close()
-
-
-@dataclass(frozen=True)
-class WorkerHostPrefix:
-    """The host tier's prefix cache as one worker's batcher asks it: blocks taken are charged to the
-    worker (freed by the kv_store if it dies)."""
-
-    store: KVStorePrefix
-    worker_id: int
-
-    def match(self, names: list[bytes]) -> int:
-        return self.store.match(names)
-
-    def acquire(self, owner: str, names: list[bytes]) -> list[int]:
-        return self.store.acquire(owner, names, self.worker_id)
-
-    def release(self, owner: str) -> int:
-        return self.store.release(owner)
+BLOCK_EVENTS_BATCH_S = 0.05  # a subscriber's events gathered this long (a step's stores come as one message)
+BLOCK_EVENTS_CHUNK = 65536  # names per message: a snapshot of a large pool in messages well under gRPC's 4 MB
 
 
 class GatewaySession:
@@ -237,6 +173,24 @@ class SchedulerService(generate_pb2_grpc.SchedulerServicer):
             await set_serving(self.health, [SERVICE.full_name], False)
         return generate_pb2.DrainResponse(running=len(self.core.requests))
 
+    async def BlockEvents(self, request, context):
+        """The node's block events for one gateway: a snapshot unless it resumes, then what changes."""
+        journal = self.core.blocks.journal
+        changed = asyncio.Event()
+        journal.listeners.append(changed.set)
+        epoch, since = request.epoch, request.since
+        try:
+            while True:
+                changed.clear()
+                events = journal.since(epoch, since, lambda: self.core.blocks.holders)
+                for batch in event_batches(events):
+                    yield batch
+                epoch, since = events.epoch, events.next
+                await changed.wait()
+                await asyncio.sleep(BLOCK_EVENTS_BATCH_S)
+        finally:
+            journal.listeners.remove(changed.set)
+
     async def Stats(self, request, context):
         stats = self.core.stats()
         stats.MergeFrom(self.kv_monitor.stats())
@@ -251,46 +205,22 @@ class SchedulerService(generate_pb2_grpc.SchedulerServicer):
                 self.core.send_failed(identity, payload)
 
 
-class KVStoreMonitor:
-    """Polls kv_store stats; host KV usage for /metrics and its liveness for /health."""
-
-    def __init__(self, context: zmq.asyncio.Context, address: str):
-        self.context = context
-        self.address = address
-        self.last: kv_store_pb2.KVStoreStats | None = None
-
-    def stats(self) -> generate_pb2.SchedulerStats:
-        if self.last is None:
-            return generate_pb2.SchedulerStats(kv_store_alive=False)
-        return generate_pb2.SchedulerStats(
-            kv_store_alive=True,
-            host_blocks_total=self.last.blocks_total,
-            host_blocks_free=self.last.blocks_free,
-            host_integrity_error=self.last.integrity_error,
-            kv_store_engine_recalls=self.last.engine_recalls,
-            kv_store_engine_busy_s=self.last.engine_busy_s,
-            host_prefix_cached_blocks=self.last.prefix_cached_blocks,
-            host_prefix_evicted_blocks=self.last.prefix_evicted_blocks,
-            host_prefix_demoted_blocks=self.last.prefix_demoted_blocks,
-            host_block_bytes=self.last.block_bytes,
+def event_batches(events: BlockEvents) -> list[generate_pb2.BlockEventBatch]:
+    """`events` in messages of at most BLOCK_EVENTS_CHUNK names; only the first carries `snapshot`."""
+    names = [(name, True) for name in events.stored] + [(name, False) for name in events.removed]
+    batches = []
+    for start in range(0, max(len(names), 1), BLOCK_EVENTS_CHUNK):
+        chunk = names[start : start + BLOCK_EVENTS_CHUNK]
+        batches.append(
+            generate_pb2.BlockEventBatch(
+                epoch=events.epoch,
+                next=events.next,
+                snapshot=events.snapshot and start == 0,
+                stored=[n for n, stored in chunk if stored],
+                removed=[n for n, stored in chunk if not stored],
+            )
         )
-
-    async def run(self) -> None:
-        while True:
-            self.last = await self._poll()
-            await asyncio.sleep(KV_STORE_POLL_S)
-
-    async def _poll(self) -> kv_store_pb2.KVStoreStats | None:
-        socket = self.context.socket(zmq.REQ)  # a fresh socket per poll: a lost reply cannot wedge REQ
-        socket.setsockopt(zmq.LINGER, 0)
-        try:
-            socket.connect(self.address)
-            await socket.send(kv_store_pb2.KVStoreRequest(stats=kv_store_pb2.StatsQuery()).SerializeToString())
-            if not await socket.poll(int(KV_STORE_POLL_S * 1000)):
-                return None
-            return kv_store_pb2.KVStoreResponse.FromString(await socket.recv()).stats
-        finally:
-            socket.close()
+    return batches
 
 
 async def receive_loop(service: SchedulerService, router: zmq.asyncio.Socket) -> None:
@@ -332,7 +262,7 @@ async def serve(config: SchedulerConfig) -> None:
     core = SchedulerCore(config, host=host_prefix.of_worker)
     server = grpc_common.server()
     health = add_health_and_reflection(server, [SERVICE.full_name])
-    service = SchedulerService(core, router, KVStoreMonitor(context, config.kv_store), host_prefix, health)
+    service = SchedulerService(core, router, KVStoreMonitor(context, config.kv_store, core.blocks), host_prefix, health)
     add_servicer(server, service, SERVICE)
     if server.add_insecure_port(config.grpc_bind) == 0:
         raise RuntimeError(f"cannot listen on {config.grpc_bind}")

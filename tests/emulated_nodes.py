@@ -87,7 +87,7 @@ class EmulatedCluster:
         self.logs = logs
         self.node_flags, self.tls_flags = node_flags, tls_flags
         self.node_processes: dict[int, subprocess.Popen] = {}
-        self.gateway: subprocess.Popen | None = None
+        self.gateways: dict[int, subprocess.Popen] = {}  # by HTTP port
         self.client = ThreadPoolExecutor(16, initializer=_enter, initargs=(self.gateway_ns,))
 
     @staticmethod
@@ -144,24 +144,24 @@ class EmulatedCluster:
         path.mkdir(exist_ok=True)
         return path
 
-    def start_gateway(self, route: str, extra: list[str] = ()) -> None:
+    def start_gateway(self, route: str, port: int = HTTP_PORT) -> None:
+        """A gateway replica serving HTTP on `port` (gRPC on port + 1) in the gateway's namespace."""
         nodes = ",".join(f"{self.name(i)}:{NODE_PORT}" for i in range(len(self.node_ns)))
         argv = [
-            str(BIN / "pulseinfer"), "gateway", "--nodes", nodes, "--route", route, "--http-port", str(HTTP_PORT),
-            "--grpc-port", "50051", *self.tls_flags, *extra,
+            str(BIN / "pulseinfer"), "gateway", "--nodes", nodes, "--route", route, "--http-port", str(port),
+            "--grpc-port", str(port + 1), *self.tls_flags,
         ]  # fmt: skip
-        log = open(self.logs / "gateway.log", "ab")  # noqa: SIM115
-        self.gateway = subprocess.Popen(["ip", "netns", "exec", self.gateway_ns, *argv], stdout=log, stderr=log)
+        log = open(self.logs / f"gateway-{port}.log", "ab")  # noqa: SIM115
+        self.gateways[port] = subprocess.Popen(["ip", "netns", "exec", self.gateway_ns, *argv], stdout=log, stderr=log)
 
-    def stop_gateway(self) -> None:
-        if self.gateway is not None:
-            self.gateway.terminate()
-            try:
-                self.gateway.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.gateway.kill()
-                self.gateway.wait()
-            self.gateway = None
+    def stop_gateway(self, port: int = HTTP_PORT) -> None:
+        gateway = self.gateways.pop(port)
+        gateway.terminate()
+        try:
+            gateway.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            gateway.kill()
+            gateway.wait()
 
     def node_pid(self, i: int) -> int:
         """The node's launcher as the host sees it: pid 1 of its PID namespace, unshare's child."""
@@ -176,7 +176,8 @@ class EmulatedCluster:
 
     def close(self) -> None:
         self.client.shutdown(wait=False, cancel_futures=True)
-        self.stop_gateway()
+        for port in list(self.gateways):
+            self.stop_gateway(port)
         for process in self.node_processes.values():
             process.kill()  # unshare --kill-child: the node's namespace dies with it
             process.wait()
@@ -218,15 +219,16 @@ class EmulatedCluster:
         while not ready():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} not within {timeout_s:.0f} s; logs in {self.logs}")
-            for name, process in [("gateway", self.gateway), *[(self.name(i), p) for i, p in self.node_processes.items()]]:
-                if process is not None and process.poll() is not None:
+            processes = [(f"gateway {port}", p) for port, p in self.gateways.items()]
+            for name, process in processes + [(self.name(i), p) for i, p in self.node_processes.items()]:
+                if process.poll() is not None:
                     raise RuntimeError(f"{name} exited with {process.returncode}; logs in {self.logs}")
             time.sleep(0.5)
 
-    def node_states(self) -> dict[str, str]:
-        """Each node's state as the gateway's /health reports it, by node name."""
+    def node_states(self, port: int = HTTP_PORT) -> dict[str, str]:
+        """Each node's state as a gateway's /health reports it, by node name."""
         try:
-            _, body = self.http(f"http://127.0.0.1:{HTTP_PORT}/health", timeout_s=5)
+            _, body = self.http(f"http://127.0.0.1:{port}/health", timeout_s=5)
         except OSError:
             return {}
         if not isinstance(body, dict):

@@ -47,17 +47,17 @@ def cluster(tmp_path_factory) -> EmulatedCluster:
         emulated.close()
 
 
-def wait_all_up(cluster: EmulatedCluster, timeout_s: float = STARTUP_S) -> None:
+def wait_all_up(cluster: EmulatedCluster, timeout_s: float = STARTUP_S, port: int = HTTP_PORT) -> None:
     names = {cluster.name(i) for i in range(NODES)}
-    cluster.wait_until(lambda: cluster.node_states() == dict.fromkeys(names, "up"), "every node up at the gateway", timeout_s)
+    cluster.wait_until(lambda: cluster.node_states(port) == dict.fromkeys(names, "up"), "every node up at the gateway", timeout_s)
 
 
-def client() -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0, timeout=60)
+def client(port: int = HTTP_PORT) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def complete(cluster: EmulatedCluster, prompt: str, **kwargs) -> openai.types.Completion:
-    return cluster.run(lambda: client().completions.create(model=cluster.model, prompt=prompt, **{**DECODE, **kwargs}))
+def complete(cluster: EmulatedCluster, prompt: str, port: int = HTTP_PORT, **kwargs) -> openai.types.Completion:
+    return cluster.run(lambda: client(port).completions.create(model=cluster.model, prompt=prompt, **{**DECODE, **kwargs}))
 
 
 def queries_per_node(cluster: EmulatedCluster) -> list[float]:
@@ -110,6 +110,28 @@ try:
 except grpc.RpcError as e:
     print(e.code().name)
 """
+
+
+def test_a_second_gateway_routes_by_the_block_events_of_the_nodes(cluster):
+    """Replicas share nothing but what the nodes publish: a prefix one gateway placed is found by
+    another, which never saw it, in the node's stored-block events."""
+    second = HTTP_PORT + 10
+    cluster.start_gateway("cache_aware", port=second)
+    try:
+        wait_all_up(cluster, port=second)
+        for topic in ("Glacier retreat", "Printing presses", "Coral spawning"):
+            shared = story(topic)
+            complete(cluster, shared + " Note 0:", max_tokens=2)  # through the first gateway
+            time.sleep(1.0)  # the node's events reach the second gateway
+            before = queries_per_node(cluster)
+            reply = complete(cluster, shared + " Note 1:", port=second, max_tokens=2)
+            went = delta(before, queries_per_node(cluster))
+            assert reply.usage.prompt_tokens_details.cached_tokens > 0 and min(went) == 0, (topic, went, reply.usage)
+        _, metrics = cluster.http(f"http://127.0.0.1:{second}/metrics")
+        hits = [line for line in str(metrics).splitlines() if line.startswith("pulseinfer:router_requests_total") and "cache_hit" in line]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in hits) == 3, hits
+    finally:
+        cluster.stop_gateway(second)
 
 
 def test_mutual_tls_refuses_clients_without_the_clusters_certificate(cluster, tmp_path):

@@ -220,6 +220,11 @@ class SchedulerStub:
                 request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.BlockEvents = channel.unary_stream(
+                '/pulseinfer.v1.Scheduler/BlockEvents',
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventsRequest.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventBatch.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -256,6 +261,12 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BlockEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -283,6 +294,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainRequest.FromString,
                     response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainResponse.SerializeToString,
+            ),
+            'BlockEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.BlockEvents,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventsRequest.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -420,6 +436,33 @@ class Scheduler:
             '/pulseinfer.v1.Scheduler/Drain',
             pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainRequest.SerializeToString,
             pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pulseinfer.v1.Scheduler/BlockEvents',
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventsRequest.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -133,7 +133,7 @@ class StatsQuery(_message.Message):
     def __init__(self) -> None: ...
 
 class KVStoreRequest(_message.Message):
-    __slots__ = ("register", "allocate", "release", "ping", "stats", "open_recall", "acquire_prefix", "name_blocks", "drop_prefix_cache", "reserve_demotion")
+    __slots__ = ("register", "allocate", "release", "ping", "stats", "open_recall", "acquire_prefix", "name_blocks", "drop_prefix_cache", "reserve_demotion", "prefix_events")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class KVStoreRequest(_message.Message):
     NAME_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DROP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     RESERVE_DEMOTION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVENTS_FIELD_NUMBER: _ClassVar[int]
     register: RegisterWorker
     allocate: Allocate
     release: Release
@@ -154,7 +155,30 @@ class KVStoreRequest(_message.Message):
     name_blocks: NameBlocks
     drop_prefix_cache: DropPrefixCache
     reserve_demotion: ReserveDemotion
-    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ..., open_recall: _Optional[_Union[OpenRecallTarget, _Mapping]] = ..., acquire_prefix: _Optional[_Union[AcquirePrefix, _Mapping]] = ..., name_blocks: _Optional[_Union[NameBlocks, _Mapping]] = ..., drop_prefix_cache: _Optional[_Union[DropPrefixCache, _Mapping]] = ..., reserve_demotion: _Optional[_Union[ReserveDemotion, _Mapping]] = ...) -> None: ...
+    prefix_events: PrefixEventsQuery
+    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., allocate: _Optional[_Union[Allocate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., stats: _Optional[_Union[StatsQuery, _Mapping]] = ..., open_recall: _Optional[_Union[OpenRecallTarget, _Mapping]] = ..., acquire_prefix: _Optional[_Union[AcquirePrefix, _Mapping]] = ..., name_blocks: _Optional[_Union[NameBlocks, _Mapping]] = ..., drop_prefix_cache: _Optional[_Union[DropPrefixCache, _Mapping]] = ..., reserve_demotion: _Optional[_Union[ReserveDemotion, _Mapping]] = ..., prefix_events: _Optional[_Union[PrefixEventsQuery, _Mapping]] = ...) -> None: ...
+
+class PrefixEventsQuery(_message.Message):
+    __slots__ = ("epoch", "since")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    since: int
+    def __init__(self, epoch: _Optional[int] = ..., since: _Optional[int] = ...) -> None: ...
+
+class PrefixEvents(_message.Message):
+    __slots__ = ("epoch", "next", "snapshot", "stored", "removed")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    next: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, epoch: _Optional[int] = ..., next: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PoolLayout(_message.Message):
     __slots__ = ("shm_name", "num_blocks", "unit_bytes", "num_layers", "dtype")
@@ -197,7 +221,7 @@ class KVStoreStats(_message.Message):
     def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., owners: _Optional[int] = ..., workers: _Optional[int] = ..., integrity_error: _Optional[str] = ..., engine_recalls: _Optional[int] = ..., engine_busy_s: _Optional[float] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_demoted_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class KVStoreResponse(_message.Message):
-    __slots__ = ("code", "error", "blocks", "reserved", "freed", "layout", "stats")
+    __slots__ = ("code", "error", "blocks", "reserved", "freed", "layout", "stats", "prefix_events")
     CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +229,7 @@ class KVStoreResponse(_message.Message):
     FREED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVENTS_FIELD_NUMBER: _ClassVar[int]
     code: KVStoreCode
     error: str
     blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -212,7 +237,8 @@ class KVStoreResponse(_message.Message):
     freed: int
     layout: PoolLayout
     stats: KVStoreStats
-    def __init__(self, code: _Optional[_Union[KVStoreCode, str]] = ..., error: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., reserved: _Optional[_Iterable[int]] = ..., freed: _Optional[int] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., stats: _Optional[_Union[KVStoreStats, _Mapping]] = ...) -> None: ...
+    prefix_events: PrefixEvents
+    def __init__(self, code: _Optional[_Union[KVStoreCode, str]] = ..., error: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., reserved: _Optional[_Iterable[int]] = ..., freed: _Optional[int] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., stats: _Optional[_Union[KVStoreStats, _Mapping]] = ..., prefix_events: _Optional[_Union[PrefixEvents, _Mapping]] = ...) -> None: ...
 
 class RecallRequest(_message.Message):
     __slots__ = ("worker_id", "sequence", "layer", "host_blocks", "device_blocks", "heads")
