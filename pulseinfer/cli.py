@@ -134,6 +134,7 @@ def _bench_parser(sub) -> None:
         host_pool,
         kernels_compile,
         layer_ahead,
+        multinode,
         prefix_tiers,
         recall_gather,
         selection_scorers,
@@ -210,6 +211,12 @@ def _bench_parser(sub) -> None:
             prefix_tiers,
             prefix_tiers.PrefixTiersBenchConfig,
             "a trace replay with the host tier as the prefix cache's second level and without, per mode (starts its servers)",
+        ),
+        (
+            "multinode",
+            multinode,
+            multinode.MultinodeBenchConfig,
+            "a trace replay on one node, then two emulated nodes routed cache_aware and round_robin (root; starts its servers)",
         ),
         (
             "structured-masks",

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from emulated_nodes import HTTP_PORT, NODE_PORT, EmulatedCluster, missing
 from tls_certs import make_certs
 
+from pulseinfer.bench.emulated_nodes import HTTP_PORT, NODE_PORT, EmulatedCluster, missing
 from pulseinfer.common.tls import TlsConfig
 
 NODES = 2
@@ -166,8 +166,12 @@ def test_no_shared_memory_segment_or_ipc_path_crosses_nodes(cluster):
 
 
 def references(cluster: EmulatedCluster, prompts: list[str]) -> list[str]:
-    """Each prompt's text alone on a healthy cluster (greedy)."""
-    return [complete(cluster, p).choices[0].text for p in prompts]
+    """Each prompt's text on a healthy cluster (greedy), all at once as the failure run sends them."""
+
+    def one(prompt: str) -> str:
+        return client().completions.create(model=cluster.model, prompt=prompt, **DECODE).choices[0].text
+
+    return list(cluster.client.map(one, prompts))
 
 
 def stream_all(cluster: EmulatedCluster, prompts: list[str], started: threading.Barrier) -> list:

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -56,6 +57,9 @@ def sweep() -> None:
         creator = ns.removeprefix(PREFIX).split("-")[0]
         if creator.isdigit() and not Path(f"/proc/{creator}").exists():
             _remove_namespace(ns)
+    for stale in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-n*"):  # node run directories (tmpdir)
+        if not Path(f"/proc/{stale.name.removeprefix(PREFIX).split('-')[0]}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _remove_namespace(ns: str) -> None:
@@ -133,14 +137,15 @@ class EmulatedCluster:
         ]  # fmt: skip
         # a PID namespace of its own (its launcher is pid 1: killing it kills the node), a private /dev/shm, and a
         # private TMPDIR for its run directory (a tmpfs over the node's own directory, seen empty from outside)
-        private = 'mount -t tmpfs -o size=4g tmpfs /dev/shm && mount -t tmpfs -o size=512m tmpfs "$TMPDIR" && exec "$@"'
+        private = 'mount -t tmpfs -o size=16g tmpfs /dev/shm && mount -t tmpfs -o size=512m tmpfs "$TMPDIR" && exec "$@"'
         command = ["ip", "netns", "exec", self.node_ns[i], "unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
         log = open(self.logs / f"{self.name(i)}.log", "ab")  # noqa: SIM115 - the process holds it
         environment = os.environ | {"TMPDIR": str(self.tmpdir(i))}
         self.node_processes[i] = subprocess.Popen([*command, "sh", "-c", private, "sh", *argv], stdout=log, stderr=log, env=environment)
 
     def tmpdir(self, i: int) -> Path:
-        path = self.logs / f"{self.name(i)}-tmp"
+        """Short: unix socket paths in it must stay under 108 bytes."""
+        path = Path(tempfile.gettempdir()) / f"{self.tag}-n{i}"
         path.mkdir(exist_ok=True)
         return path
 
@@ -183,6 +188,8 @@ class EmulatedCluster:
             process.wait()
         for ns in [self.gateway_ns, *self.node_ns, self.hub]:
             _remove_namespace(ns)
+        for i in range(len(self.node_ns)):
+            shutil.rmtree(self.tmpdir(i), ignore_errors=True)
 
     # ------------------------------------------------------------ the client side, from the gateway's namespace
 
