@@ -49,6 +49,7 @@ class Node:
         self.answered_at = 0.0
         self.retired = False  # gone from DNS: takes no new request, closed once its requests end
         self.events: asyncio.Task | None = None  # follow_events, once the gateway has started
+        self.resubscribe = False  # the index was cleared: follow_events starts again from a snapshot
 
     @property
     def routable(self) -> bool:
@@ -83,12 +84,16 @@ class Node:
         self.state, self.problems, self.stats = "down", [f"unreachable for {self.missed} polls"], None
         self.session.fail(f"lost node {self.address}: unreachable")
         self.index.clear()
+        self.resubscribe = True
 
     async def follow_events(self, metrics: GatewayMetrics) -> None:
         """Keeps the index equal to what the node says it holds (its block events), resuming where it
         left off; the names the router adds as it sends requests stand until the node's events say otherwise."""
         epoch = since = 0
         while True:
+            if self.resubscribe:  # its index was cleared: start again from a snapshot
+                epoch = since = 0
+                self.resubscribe = False
             if self.state in ("up", "unhealthy"):
                 try:
                     async for batch in self.scheduler.BlockEvents(generate_pb2.BlockEventsRequest(epoch=epoch, since=since)):
@@ -100,8 +105,6 @@ class Node:
                         metrics.block_events.inc(len(batch.stored) + len(batch.removed), node=self.address)
                 except grpc.aio.AioRpcError as e:
                     log.info("node %s: block events ended (%s); the index stands on what was sent", self.address, e.code().name)
-            if self.state == "down":
-                epoch = since = 0  # its index was cleared: the next subscription starts from a snapshot
             await asyncio.sleep(POLL_S)
 
     def report(self) -> dict:
