@@ -193,6 +193,13 @@ def stream_all(cluster: EmulatedCluster, prompts: list[str], started: threading.
     return list(cluster.client.map(one, prompts))
 
 
+def index_blocks(cluster: EmulatedCluster, i: int) -> float:
+    """The block names the gateway believes node i holds."""
+    _, text = cluster.http(f"http://127.0.0.1:{HTTP_PORT}/metrics")
+    wanted = f'pulseinfer:router_index_blocks{{node="{cluster.name(i)}:{NODE_PORT}"}}'
+    return next((float(line.rsplit(" ", 1)[1]) for line in str(text).splitlines() if line.startswith(wanted)), 0.0)
+
+
 def in_flight(cluster: EmulatedCluster) -> dict[str, int]:
     _, body = cluster.http(f"http://127.0.0.1:{HTTP_PORT}/health")
     return {address.split(":")[0]: node["in_flight"] for address, node in body["nodes"].items()}
@@ -239,6 +246,8 @@ def test_a_lost_node_fails_only_its_requests_and_rejoins(cluster, failure):
     else:
         cluster.link(victim, up=True)
     wait_all_up(cluster)
+    if failure == "link down":  # the node kept its caches: the gateway learns them again from a snapshot of its events
+        cluster.wait_until(lambda: index_blocks(cluster, victim) > 0, "the rejoined node's index restored", 10)
     before = queries_per_node(cluster)
     for k in range(4):
         complete(cluster, story(f"rejoined {failure} {k}"), max_tokens=2)
