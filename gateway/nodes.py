@@ -21,7 +21,7 @@ import grpc
 from pulseinfer.gateway.metrics import GatewayMetrics
 from pulseinfer.gateway.router import BlockIndex, Router, RouterConfig
 from pulseinfer.gateway.session import SchedulerSession
-from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2
 from pulseinfer.scheduler.wire import health_problems
 
 log = logging.getLogger("gateway")
@@ -96,7 +96,7 @@ class Node:
                 self.resubscribe = False
             if self.state in ("up", "unhealthy"):
                 try:
-                    async for batch in self.scheduler.BlockEvents(generate_pb2.BlockEventsRequest(epoch=epoch, since=since)):
+                    async for batch in self.scheduler.BlockEvents(kv_store_pb2.PrefixEventsQuery(epoch=epoch, since=since)):
                         if batch.snapshot or batch.epoch != epoch:
                             self.index.clear()
                         self.index.add(batch.stored)

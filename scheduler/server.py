@@ -20,7 +20,7 @@ from pulseinfer.common import grpc_common
 from pulseinfer.common.grpc_common import Undecodable, add_health_and_reflection, add_servicer, set_serving
 from pulseinfer.kv_store.client import KVStoreClient
 from pulseinfer.kv_store.prefix_cache import BlockEvents
-from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import QueueFull, RequestTooLarge
 from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore, Sink
 from pulseinfer.scheduler.kv_store_link import KV_STORE_PREFIX_TIMEOUT_S, KVStoreMonitor, KVStorePrefix
@@ -205,14 +205,14 @@ class SchedulerService(generate_pb2_grpc.SchedulerServicer):
                 self.core.send_failed(identity, payload)
 
 
-def event_batches(events: BlockEvents) -> list[generate_pb2.BlockEventBatch]:
+def event_batches(events: BlockEvents) -> list[kv_store_pb2.PrefixEvents]:
     """`events` in messages of at most BLOCK_EVENTS_CHUNK names; only the first carries `snapshot`."""
     names = [(name, True) for name in events.stored] + [(name, False) for name in events.removed]
     batches = []
     for start in range(0, max(len(names), 1), BLOCK_EVENTS_CHUNK):
         chunk = names[start : start + BLOCK_EVENTS_CHUNK]
         batches.append(
-            generate_pb2.BlockEventBatch(
+            kv_store_pb2.PrefixEvents(
                 epoch=events.epoch,
                 next=events.next,
                 snapshot=events.snapshot and start == 0,

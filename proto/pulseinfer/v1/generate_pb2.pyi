@@ -1,3 +1,4 @@
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as _kv_store_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -410,28 +411,6 @@ class SchedulerStats(_message.Message):
     draining: bool
     block_size: int
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers_alive: _Optional[int] = ..., device_blocks_total: _Optional[int] = ..., device_blocks_free: _Optional[int] = ..., host_blocks_total: _Optional[int] = ..., host_blocks_free: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., kv_store_alive: _Optional[bool] = ..., host_integrity_error: _Optional[str] = ..., kv_store_engine_recalls: _Optional[int] = ..., kv_store_engine_busy_s: _Optional[float] = ..., host_prefix_cached_blocks: _Optional[int] = ..., host_prefix_evicted_blocks: _Optional[int] = ..., cpu_s: _Optional[float] = ..., overlap: _Optional[bool] = ..., host_prefix_demoted_blocks: _Optional[int] = ..., host_block_bytes: _Optional[int] = ..., node_name: _Optional[str] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ...) -> None: ...
-
-class BlockEventsRequest(_message.Message):
-    __slots__ = ("epoch", "since")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    SINCE_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
-    since: int
-    def __init__(self, epoch: _Optional[int] = ..., since: _Optional[int] = ...) -> None: ...
-
-class BlockEventBatch(_message.Message):
-    __slots__ = ("epoch", "next", "snapshot", "stored", "removed")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    NEXT_FIELD_NUMBER: _ClassVar[int]
-    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
-    STORED_FIELD_NUMBER: _ClassVar[int]
-    REMOVED_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
-    next: int
-    snapshot: bool
-    stored: _containers.RepeatedScalarFieldContainer[bytes]
-    removed: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, epoch: _Optional[int] = ..., next: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

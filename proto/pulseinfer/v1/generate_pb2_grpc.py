@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2 as pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2
+from pulseinfer.proto.pulseinfer.v1 import kv_store_pb2 as pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_kv__store__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -222,8 +223,8 @@ class SchedulerStub:
                 _registered_method=True)
         self.BlockEvents = channel.unary_stream(
                 '/pulseinfer.v1.Scheduler/BlockEvents',
-                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventsRequest.SerializeToString,
-                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventBatch.FromString,
+                request_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_kv__store__pb2.PrefixEventsQuery.SerializeToString,
+                response_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_kv__store__pb2.PrefixEvents.FromString,
                 _registered_method=True)
 
 
@@ -262,7 +263,10 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BlockEvents(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """the names of the KV blocks this node holds in either tier (kv_store/prefix_cache.py), for a gateway's
+        router: a snapshot first (in batches, the first marked), then what changes; a subscriber that
+        resumes (epoch, since) gets only what it missed, or a new snapshot
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -297,8 +301,8 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
             'BlockEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.BlockEvents,
-                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventsRequest.FromString,
-                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventBatch.SerializeToString,
+                    request_deserializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_kv__store__pb2.PrefixEventsQuery.FromString,
+                    response_serializer=pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_kv__store__pb2.PrefixEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -461,8 +465,8 @@ class Scheduler:
             request,
             target,
             '/pulseinfer.v1.Scheduler/BlockEvents',
-            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventsRequest.SerializeToString,
-            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_generate__pb2.BlockEventBatch.FromString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_kv__store__pb2.PrefixEventsQuery.SerializeToString,
+            pulseinfer_dot_proto_dot_pulseinfer_dot_v1_dot_kv__store__pb2.PrefixEvents.FromString,
             options,
             channel_credentials,
             insecure,
