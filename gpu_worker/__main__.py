@@ -9,6 +9,7 @@ import zmq
 from pulseinfer.common.flags import parse_config
 from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.common.proc import run_service, setup_logging, stop_on_signals
+from pulseinfer.gpu_worker.faults import FaultPlan
 from pulseinfer.gpu_worker.model.loader import load_model
 from pulseinfer.gpu_worker.offload.config import HostTier
 from pulseinfer.gpu_worker.runner import ModelRunner
@@ -46,7 +47,8 @@ def model_worker(config: WorkerServiceConfig, context: zmq.Context, log: logging
         return view
 
     engine = kv_store.open_recall_engine if config.engine_recalls else None
-    runner = ModelRunner(loaded, config.worker, HostTier(attach(), kv_store, attach, engine, kv_store.lost, config.worker_id))
+    host = HostTier(attach(), kv_store, attach, engine, kv_store.lost, config.worker_id)
+    runner = ModelRunner(loaded, config.worker, host, faults=FaultPlan.from_env())
     return Worker(config, runner, ServedModel(loaded.config, loaded.source.name, loaded.tokenizer.eos_id, loaded.tokenizer), kv_store.lost)
 
 

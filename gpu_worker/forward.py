@@ -57,17 +57,22 @@ def forward(model: DecoderModel, batch: ForwardBatch, attention: StepAttention) 
 
 
 @torch.inference_mode()
-def forward_hidden(model: DecoderModel, batch: ForwardBatch, attention: StepAttention) -> torch.Tensor:
-    """Runs every token of the batch; returns their hidden states after the last layer [T, hidden]."""
+def forward_hidden(
+    model: DecoderModel, batch: ForwardBatch, attention: StepAttention, midway: Callable[[ForwardBatch], None] | None = None
+) -> torch.Tensor:
+    """Runs every token of the batch; returns their hidden states after the last layer [T, hidden].
+    `midway`: called with each cohort's batch after the middle layer (the tests' injected faults)."""
     hidden = model.embed(batch.input_ids)
     cohorts = [Cohort(torch.arange(len(hidden), device=hidden.device), 0, hidden, batch, attention)]
     while cohorts:
-        tokens, final = run_cohort(model, cohorts.pop(0), cohorts.append)
+        tokens, final = run_cohort(model, cohorts.pop(0), cohorts.append, midway)
         hidden[tokens] = final
     return hidden
 
 
-def run_cohort(model: DecoderModel, cohort: Cohort, suspend: Callable[[Cohort], None]) -> tuple[torch.Tensor, torch.Tensor]:
+def run_cohort(
+    model: DecoderModel, cohort: Cohort, suspend: Callable[[Cohort], None], midway: Callable[[ForwardBatch], None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The cohort's hidden states through its layers to the last; rows suspended on the way go to
     `suspend`. Returns the flat indices of the tokens that ran to the end and their hidden states."""
     tokens, hidden, batch, attention = cohort.tokens, cohort.hidden, cohort.batch, cohort.attention
@@ -89,6 +94,8 @@ def run_cohort(model: DecoderModel, cohort: Cohort, suspend: Callable[[Cohort], 
             rows = batch.decode_index
             attention.prefetch(index + 1, model.predict_query(index + 1, hidden[rows], model.rotary(batch.positions[rows])))
         hidden = model.feed_forward(index, hidden)
+        if midway is not None and index == model.num_layers // 2:
+            midway(batch)
     return tokens, hidden
 
 

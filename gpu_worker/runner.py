@@ -12,7 +12,8 @@ import torch
 from pulseinfer.common.syncs import to_device, to_host
 from pulseinfer.gpu_worker.attention import attention_backend
 from pulseinfer.gpu_worker.attention.window import WindowCache
-from pulseinfer.gpu_worker.batch import build_batch
+from pulseinfer.gpu_worker.batch import ForwardBatch, build_batch
+from pulseinfer.gpu_worker.faults import FaultPlan
 from pulseinfer.gpu_worker.forward import forward_hidden
 from pulseinfer.gpu_worker.hierarchy import KVHierarchy
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
@@ -21,7 +22,7 @@ from pulseinfer.gpu_worker.model.decoder import Decoder
 from pulseinfer.gpu_worker.model.loader import LoadedModel
 from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
-from pulseinfer.gpu_worker.sampler import GrammarMasks, logprobs_of, sample_with_logprobs, score
+from pulseinfer.gpu_worker.sampler import GrammarMasks, advance_grammars, logprobs_of, sample_with_logprobs, score
 from pulseinfer.gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
 from pulseinfer.kv_store.client import KVStoreUnavailable
 from pulseinfer.scheduler.plan import Chunk, Logprobs, RecallStats, SampledToken, StepOutcome, StepPlan
@@ -97,11 +98,43 @@ class Launched:
     ends_at: float = 0.0
 
 
+def poisons_device(error: Exception) -> bool:
+    """A device error after which the context cannot run anything: the worker restarts instead."""
+    return isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error)
+
+
+def _halves(plan: StepPlan) -> list[StepPlan]:
+    """The plan's chunks in two plans, each with its own chunks' block names."""
+    mid = len(plan.chunks) // 2
+    parts = (plan.chunks[:mid], plan.chunks[mid:])
+    return [replace(plan, chunks=part, names=tuple(n for n in plan.names if n.seq_id in {c.seq_id for c in part})) for part in parts]
+
+
+def _merged(outcomes: list[StepOutcome]) -> StepOutcome:
+    """The outcomes of a step's parts as the step's."""
+    return StepOutcome(
+        tokens=[t for o in outcomes for t in o.tokens],
+        failed={seq_id: e for o in outcomes for seq_id, e in o.failed.items()},
+        recall=sum((o.recall for o in outcomes), RecallStats()),
+        compute_s=sum(o.compute_s for o in outcomes),
+        prompt_logprobs={seq_id: lp for o in outcomes for seq_id, lp in o.prompt_logprobs.items()},
+        isolated_failures=sum(o.isolated_failures for o in outcomes),
+    )
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: WorkerConfig, host: HostTier | None = None, offloading: bool = True):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: WorkerConfig,
+        host: HostTier | None = None,
+        offloading: bool = True,
+        faults: FaultPlan | None = None,
+    ):
         """`host`: the kv_store's pool (None: none mapped); `offloading`: whether offloaded requests may
-        come (a cluster's worker always lets its scheduler decide)."""
+        come (a cluster's worker always lets its scheduler decide); `faults`: the tests' injected faults."""
         self.config = config
+        self.faults = faults or FaultPlan()
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         self.model_config = loaded.config
@@ -131,7 +164,7 @@ class ModelRunner:
                 geometry.device_blocks,
                 self.cache.spec.num_blocks,
             )
-        return OffloadManager(self.config.offload, self.cache, host, self._scorer(loaded), self.config.mode == "headwise")
+        return OffloadManager(self.config.offload, self.cache, host, self._scorer(loaded), self.config.mode == "headwise", self.faults)
 
     def _scorer(self, loaded: LoadedModel) -> Scorer:
         """The block scorer; lowrank fits its key bases on the calibration text first (a dense pass)."""
@@ -213,10 +246,11 @@ class ModelRunner:
         started = time.perf_counter()
         not_loaded = self.hierarchy.step(plan.demote, plan.chunks) if self.hierarchy is not None else {}
         tier_copy_s = time.perf_counter() - started
+        self.faults.forget(plan.released)
         plan, failed = self._admit(_without(plan, not_loaded))
         failed |= not_loaded
         try:
-            return replace(self._run(plan, failed, pick), tier_copy_s=tier_copy_s)
+            return replace(self._isolating(plan, failed, pick), tier_copy_s=tier_copy_s)
         except KVStoreUnavailable as e:
             # The kv_store died mid-step and the offloaded requests' KV with its pool. The resident
             # requests need nothing of it: they run the step again alone (their KV rewritten, the same).
@@ -227,28 +261,86 @@ class ModelRunner:
             outcome = self._run(replace(plan, chunks=tuple(c for c in plan.chunks if not c.offloaded)), failed, pick)
             return replace(outcome, tier_copy_s=tier_copy_s)
 
+    def _isolating(self, plan: StepPlan, failed: dict[str, str], pick: Pick | None, again: bool = False) -> StepOutcome:
+        """Runs the step (`again`: a part of a step that failed, restored first); if it raises, its
+        chunks run again in halves down to the ones that raise: those fail with the cause, every
+        other gets what the step would have given it."""
+        if again:
+            self._restore(plan)
+        try:
+            return self._run(plan, failed, pick)
+        except KVStoreUnavailable:
+            raise
+        except Exception as e:
+            if poisons_device(e):
+                raise
+            log.warning("step %d failed (%s: %s): its %d chunks run again in parts", plan.step_id, type(e).__name__, e, len(plan.chunks))
+            lost = self._unrepeatable(plan) if len(plan.chunks) > 1 else set()
+            cause = f"the step failed ({type(e).__name__}: {e}) and this request's KV could not be restored to run it again"
+            rest = replace(plan, chunks=tuple(c for c in plan.chunks if c.seq_id not in lost))
+            parts = [StepOutcome([], failed | dict.fromkeys(lost, cause))]
+            if len(rest.chunks) == 1:  # the culprit: nothing to run again
+                parts.append(self._failed_alone(rest, e))
+            elif rest.chunks:
+                parts += [self._isolating(half, {}, pick, again=True) for half in _halves(rest)]
+            return _merged(parts)
+
+    @staticmethod
+    def _failed_alone(plan: StepPlan, error: Exception) -> StepOutcome:
+        (chunk,) = plan.chunks
+        log.warning("step %d: request %s fails alone: %s: %s", plan.step_id, chunk.seq_id, type(error).__name__, error)
+        return StepOutcome([], {chunk.seq_id: f"{type(error).__name__}: {error}"}, isolated_failures=1)
+
+    def _unrepeatable(self, plan: StepPlan) -> set[str]:
+        """The chunks whose KV a run that failed may have left unfit for running them again: prefill
+        chunks that read context from a sliding-window ring their own writes overwrite, with no
+        history to rebuild it from (kept for resident requests only, when --window-history is on)."""
+        if self.window is None:
+            return set()
+        lost = (c for c in plan.chunks if len(c.token_ids) > 1 and c.start_pos > 0)
+        return {c.seq_id for c in lost if c.offloaded or not self.window.keeps_history}
+
+    def _restore(self, plan: StepPlan) -> None:
+        """Before a part of a failed step runs again: sliding-window rings rebuilt as they were before
+        its prefill chunks, and the offloaded requests' recalls forgotten (they may not have landed)."""
+        if self.window is not None:
+            for c in plan.chunks:
+                if len(c.token_ids) > 1 and c.start_pos > 0:
+                    self.window.rebuild(c.seq_id, c.start_pos, c.block_table)
+        if self.offload is not None:
+            self.offload.forget_recalls([c.seq_id for c in plan.chunks if c.offloaded])
+
     def _run(self, plan: StepPlan, failed: dict[str, str], pick: Pick | None) -> StepOutcome:
         if not plan.chunks:
             if self.offload is not None:
                 self.offload.name_blocks(plan.names)
             return StepOutcome([], failed)
         started, recalled = time.perf_counter(), self._recalled()
+        faults = self.faults
+        faults.arm(plan.chunks)
         sampled = [c for c in plan.chunks if c.sampling is not None]
-        masks = self.masks.start([c.sampling for c in sampled]) if pick is None else None  # made while the forward runs
+        specs = [c.sampling for c in sampled]
+        structured = [c.seq_id for c in sampled if c.sampling.grammar is not None]
+        # made while the forward runs
+        masks = self.masks.start(specs, lambda: faults.check("mask", structured)) if pick is None else None
         batch = build_batch(plan, self.cache.spec.block_size, self.device)
         attention = self.attention.begin(plan, batch)
         try:
-            hidden = forward_hidden(self.model, batch, attention)
+            hidden = forward_hidden(self.model, batch, attention, self._midway if faults.armed else None)
         finally:
             attention.finish()
         logits = self.model.logits(hidden[batch.sample_index])
         if pick is not None:
             picked, logprobs = pick(logits, sampled), [None] * len(sampled)
         else:
-            picked, logprobs = sample_with_logprobs(logits, [c.sampling for c in sampled], masks)
+            faults.check("sampling", (c.seq_id for c in sampled))
+            picked, logprobs = sample_with_logprobs(logits, specs, masks)
+        faults.check("logprobs", (c.seq_id for c in plan.chunks if c.prompt_top >= 0 or (c.sampling and c.sampling.logprobs)))
         prompt_logprobs = self._score_prompts(plan.chunks, batch.chunk_starts, hidden)
         if self.offload is not None:  # after sampling, whose read has drained the stream that naming waits for
             self.offload.name_blocks(plan.names)
+        if pick is None:
+            advance_grammars(specs, picked)
         tokens = []
         for chunk, token, token_logprobs in zip(sampled, picked, logprobs):
             if isinstance(token, str):  # a row that could not be sampled fails its own request, not the step
@@ -262,17 +354,22 @@ class ModelRunner:
     def _score_prompts(self, chunks: Sequence[Chunk], starts: dict[str, int], hidden: torch.Tensor) -> dict[str, Logprobs]:
         """The prompt tokens each scoring chunk's rows predict (the chunk's tokens after its first, then
         the token after it unless it samples), their logprobs read in one transfer."""
-        scored = [c for c in chunks if c.prompt_top >= 0]
+        targets = {c.seq_id: list(c.token_ids[1:]) + ([c.score_next] if c.sampling is None else []) for c in chunks if c.prompt_top >= 0}
+        # a one-token chunk that samples (a prompt's last token, scored by decode steps) predicts no prompt token
+        empty = {c.seq_id: Logprobs([], [], c.prompt_top, [], []) for c in chunks if c.seq_id in targets and not targets[c.seq_id]}
+        scored = [c for c in chunks if targets.get(c.seq_id)]
         if not scored:
-            return {}
+            return empty
         columns = []
         for chunk in scored:
-            targets = list(chunk.token_ids[1:]) + ([chunk.score_next] if chunk.sampling is None else [])
-            start = starts[chunk.seq_id]
-            rows, targets = to_device([torch.arange(start, start + len(targets)), torch.tensor(targets, dtype=torch.long)], self.device)
-            columns += score(self.model.logits, hidden[rows], targets, chunk.prompt_top)
+            start, ids = starts[chunk.seq_id], targets[chunk.seq_id]
+            rows, ids = to_device([torch.arange(start, start + len(ids)), torch.tensor(ids, dtype=torch.long)], self.device)
+            columns += score(self.model.logits, hidden[rows], ids, chunk.prompt_top)
         read = to_host(columns)
-        return {c.seq_id: logprobs_of(read[4 * i : 4 * i + 4], c.prompt_top) for i, c in enumerate(scored)}
+        return empty | {c.seq_id: logprobs_of(read[4 * i : 4 * i + 4], c.prompt_top) for i, c in enumerate(scored)}
+
+    def _midway(self, batch: ForwardBatch) -> None:
+        self.faults.check("forward", batch.chunk_starts)
 
     def _recalled(self) -> RecallStats:
         return self.offload.recall if self.offload is not None else RecallStats()

@@ -12,11 +12,11 @@ and the one under which a temperature-0 request's logprobs are the model's log-s
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from pulseinfer.common.grammar import fill_masks, masked
+from pulseinfer.common.grammar import allows_any, fill_masks, masked
 from pulseinfer.common.syncs import to_device, to_host
 from pulseinfer.scheduler.plan import PENALTIES, Logprobs, SamplingSpec, TokenHistory
 
@@ -43,14 +43,15 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int | str]:
 def sample_with_logprobs(
     logits: torch.Tensor, specs: list[SamplingSpec], masks: Callable[[], torch.Tensor] | None = None
 ) -> tuple[list[int | str], list[Logprobs | None]]:
-    """A token per row, or, for a row that cannot be sampled (a broken model row), an error that
-    fails only that row's request; and the token's log-probabilities for the rows that asked. The
-    device is read once: every row's greedy token and finite check, the distributions of the rows
-    that sample, and the log-probabilities, in one transfer. `masks`: the structured rows' grammar
-    masks, made while the forward ran (GrammarMasks.start); None: made here."""
+    """A token per row, or, for a row that cannot be sampled (a broken model row, a grammar it
+    cannot follow), an error that fails only that row's request; and the token's log-probabilities
+    for the rows that asked. The device is read once: every row's greedy token and finite check, the
+    distributions of the rows that sample, and the log-probabilities, in one transfer. `masks`: the
+    structured rows' grammar masks, made while the forward ran (GrammarMasks.start); None: made here."""
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(specs)} sampling specs")
-    logits = _penalized(_biased(_constrained(logits, specs, masks), specs), specs)
+    logits, refused = _constrained(logits, specs, masks)
+    logits = _penalized(_biased(logits, specs), specs)
     sampled = [i for i, spec in enumerate(specs) if spec.temperature >= _SAMPLING_EPS]
     reported = [i for i, spec in enumerate(specs) if spec.logprobs]
     argmax = logits.argmax(dim=-1)
@@ -59,11 +60,17 @@ def sample_with_logprobs(
     report = _report_reads(logits, argmax, specs, reported, set(sampled)) if reported else []
     greedy, finite, *rest = to_host(reads + report)
     probs, report = (rest[0], rest[1:]) if sampled else (None, rest)
-    tokens = _tokens(specs, greedy, finite, {i: probs[j] for j, i in enumerate(sampled)})
+    drawn = _tokens(specs, greedy, finite, {i: probs[j] for j, i in enumerate(sampled)})
+    tokens = [refused.get(i, token) for i, token in enumerate(drawn)]
+    return tokens, _reported(specs, tokens, reported, set(sampled), report)
+
+
+def advance_grammars(specs: list[SamplingSpec], tokens: Sequence[int | str]) -> None:
+    """Each structured row's matcher past its sampled token: once its step has succeeded (a step
+    that fails is run again in parts, and a matcher must not take a token twice)."""
     for spec, token in zip(specs, tokens):
         if spec.grammar is not None and isinstance(token, int):
             spec.grammar.consume(token)
-    return tokens, _reported(specs, tokens, reported, set(sampled), report)
 
 
 def _tokens(
@@ -161,25 +168,46 @@ class GrammarMasks:
     def __init__(self):
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")  # started at the first mask
 
-    def start(self, specs: list[SamplingSpec]) -> Callable[[], torch.Tensor] | None:
-        """The masks of the structured rows among `specs` (the step's sampled rows, in order), coming."""
+    def start(self, specs: list[SamplingSpec], before: Callable[[], None] = lambda: None) -> Callable[[], torch.Tensor] | None:
+        """The masks of the structured rows among `specs` (the step's sampled rows, in order), coming;
+        `before` runs first on the same thread (the tests' injected faults)."""
         matchers = [spec.grammar for spec in specs if spec.grammar is not None]
         if not matchers:
             return None
-        return self._thread.submit(fill_masks, matchers, matchers[0].tokenizer.vocab_size).result
+
+        def masks() -> torch.Tensor:
+            before()
+            return fill_masks(matchers, matchers[0].tokenizer.vocab_size)
+
+        return self._thread.submit(masks).result
 
     def close(self) -> None:
         self._thread.shutdown()
 
 
-def _constrained(logits: torch.Tensor, specs: list[SamplingSpec], masks: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+def _constrained(
+    logits: torch.Tensor, specs: list[SamplingSpec], masks: Callable[[], torch.Tensor] | None
+) -> tuple[torch.Tensor, dict[int, str]]:
     """The logits with the tokens each structured row's grammar does not allow at -inf (vLLM masks
-    them first, before any other processing)."""
+    them first, before any other processing); and the rows that cannot go on under their grammar,
+    with why: such a row fails rather than end (on a stop token) outside its grammar."""
     rows = [i for i, spec in enumerate(specs) if spec.grammar is not None]
     if not rows:
-        return logits
+        return logits, {}
     bitmask = masks() if masks is not None else fill_masks([specs[i].grammar for i in rows], specs[rows[0]].grammar.tokenizer.vocab_size)
-    return masked(logits, torch.tensor(rows), bitmask)
+    stuck = {i: why for j, i in enumerate(rows) if (why := _stuck(specs[i], bitmask[j])) is not None}
+    return masked(logits, torch.tensor(rows), bitmask), stuck
+
+
+def _stuck(spec: SamplingSpec, allowed: torch.Tensor) -> str | None:
+    """Why a structured row cannot take a token its grammar allows (its mask `allowed`); None if it can."""
+    if (error := spec.grammar.error) is not None:
+        return f"its structured output's grammar cannot be followed: {error}"
+    if not allows_any(allowed):
+        return "its structured output's grammar allows no token here"
+    if spec.step < spec.min_tokens and not allows_any(allowed, spec.stop_ids):
+        return f"its structured output's grammar ends after {spec.step} tokens, but min_tokens asks for {spec.min_tokens}"
+    return None
 
 
 def _penalized(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:

@@ -23,7 +23,7 @@ from pulseinfer.common.peer import PeerLoss
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
 from pulseinfer.gpu_worker.requests import RequestTable, Staged
-from pulseinfer.gpu_worker.runner import Launched, WorkerConfig
+from pulseinfer.gpu_worker.runner import Launched, WorkerConfig, poisons_device
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.scheduler.plan import StepOutcome, StepPlan
 from pulseinfer.scheduler.wire import recall_to_proto
@@ -135,6 +135,7 @@ class Worker:
         grammars = grammars_built_aside(model.tokenizer, model.config.vocab_size, stops) if model.tokenizer is not None else None
         self.table = RequestTable(model.eos_id, windowed=runner.max_running > 0, grammars=grammars)
         self._last_forward_end: float | None = None
+        self.device_lost: Exception | None = None  # a device error that poisoned the context
         spec = runner.cache_spec
         self.heartbeat = worker_pb2.Heartbeat(
             worker_id=config.worker_id,
@@ -182,6 +183,8 @@ class Worker:
             ended = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
             log.exception("step %d failed", step.step_id)
+            if poisons_device(e):  # its requests fail with this result, then the worker exits and is restarted
+                self.device_lost = e
             self.table.fail_step()
             self._last_forward_end = None
             result.error = f"{type(e).__name__}: {e}"
@@ -197,6 +200,7 @@ class Worker:
         result.forward_s = ended - started
         result.compute_s = outcome.compute_s
         result.tier_copy_s = outcome.tier_copy_s
+        result.isolated_failures = outcome.isolated_failures
         result.recall.CopyFrom(recall_to_proto(outcome.recall))
         result.failed.extend(worker_pb2.SequenceError(handle=h, error=e) for h, e in (refused | failed).items())
         return result
@@ -254,6 +258,9 @@ class Worker:
                     self.finish(step)
                     return
             unsent = self.finish(step)
+            if self.device_lost is not None:
+                _send(socket, unsent)
+                raise RuntimeError("the device can run nothing more: the worker restarts") from self.device_lost
 
     def _plan_during(self, socket: zmq.Socket, step: Started) -> tuple[Staged | StageFailed | None, bool]:
         """The next plan, staged if it arrives before the step's forward is expected to end; and

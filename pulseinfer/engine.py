@@ -15,6 +15,7 @@ import torch
 
 from pulseinfer.common.grammar import GrammarTokenizer, structured_grammar
 from pulseinfer.common.model.tokenizer import TextStream
+from pulseinfer.gpu_worker.faults import FaultPlan
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 from pulseinfer.gpu_worker.offload.config import HostTier
 from pulseinfer.gpu_worker.runner import ModelRunner, Pick, WorkerConfig
@@ -70,9 +71,12 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, host: HostTier | None = None):
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, host: HostTier | None = None, faults: FaultPlan | None = None
+    ):
         """`host`: where offloaded requests' KV goes; default: a pool in this process, recalled by
-        the worker's own I/O thread (bench.layer_ahead passes a kv_store process's pool and engine)."""
+        the worker's own I/O thread (bench.layer_ahead passes a kv_store process's pool and engine);
+        `faults`: the tests' injected faults."""
         started = time.perf_counter()
         self.config = config
         self.loaded = loaded or load_model(config.model, config.load_format)
@@ -85,7 +89,7 @@ class Engine:
         self._own_pool: PoolView | None = None  # the host pool this engine made: close() lets go of it
         self.host = (host or self._host_tier()) if offloading or hierarchy else None
         try:
-            self.runner = ModelRunner(self.loaded, config.worker.with_prefix_cache(b.prefix_cache), self.host, offloading)
+            self.runner = ModelRunner(self.loaded, config.worker.with_prefix_cache(b.prefix_cache), self.host, offloading, faults)
         except BaseException:
             if self._own_pool is not None:
                 self._own_pool.close()

@@ -91,6 +91,7 @@ class WorkerCounters:
     last_result_at: float = 0.0
     tier_copy_s: float = 0.0
     tier_copy_s_max: float = 0.0
+    isolated_failures: int = 0
 
     def sent(self, plan: StepPlan, size: int) -> None:
         self.plan_bytes += size
@@ -110,6 +111,7 @@ class WorkerCounters:
         self.busy_s += result.forward_s
         self.tier_copy_s += result.tier_copy_s
         self.tier_copy_s_max = max(self.tier_copy_s_max, result.tier_copy_s)
+        self.isolated_failures += result.isolated_failures
         self.idle_s += result.idle_s
         if decode:
             self.decode_steps += 1
@@ -371,6 +373,7 @@ class SchedulerCore:
             inflight=len(w.inflight),
             tier_copy_s=c.tier_copy_s,
             tier_copy_s_max=c.tier_copy_s_max,
+            isolated_failures=c.isolated_failures,
             preemptions=w.batcher.num_preemptions,
             offloaded=sum(1 for s in w.batcher.running if s.offloaded),
             offloaded_admissions=w.batcher.num_offloaded,

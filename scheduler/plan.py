@@ -235,3 +235,4 @@ class StepOutcome:
     compute_s: float = 0.0  # the forward's time, less what it waited on recalls
     tier_copy_s: float = 0.0  # before the forward: demotions and promotions of the KV hierarchy
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # seq_id -> its prompt tokens the step's chunk scored
+    isolated_failures: int = 0  # requests that failed alone when the step was run again in parts

@@ -90,6 +90,10 @@ class WindowCache:
                     self._rebuild(self.rings[chunk.seq_id], chunk.start_pos, chunk.block_table)
         return failed
 
+    def rebuild(self, seq_id: str, start: int, block_table: tuple[int, ...]) -> None:
+        """A running request's ring as it was before position `start` (a failed step's chunk runs again)."""
+        self._rebuild(self.rings[seq_id], start, block_table)
+
     def _rebuild(self, ring: int, start: int, block_table: tuple[int, ...]) -> None:
         """The ring of a request starting at `start` holds positions start - window .. start - 1,
         each read from the history at its slot in the request's blocks: one gather per K and V."""

@@ -45,6 +45,10 @@ class HotBuffers:
         self.devices[row] = devices
         return row
 
+    def clear(self, row: int) -> None:
+        """Row `row` holds nothing (its device blocks are filled again as they are selected)."""
+        self.held[row] = -1
+
     def remove(self, row: int) -> None:
         self.free.append(row)
 

@@ -27,6 +27,19 @@ class OffloadedSeq:
         self.host_blocks: list[int] = []  # host block of logical block sink_blocks + i
         self.summaries = summaries
         self.hot_row = hot_row
+        # (start, K, V [layers, tokens, kv_heads, dim]): the tokens before `start` of its block, kept apart
+        # for a chunk from `start` that overwrites their ring slot (StepWrites)
+        self.saved_prefix: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def saved_prefix_of(self, start: int, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer at positions of start's block before `start`, read from the ring
+        before a chunk from `start` overwrites them, once: a run of the chunk again reads them here."""
+        if self.saved_prefix is None or self.saved_prefix[0] != start:
+            B = self.geometry.block_size
+            first = self.device_block(start // B, start) * B
+            slots = torch.arange(first, first + start % B, device=cache.k.device)
+            self.saved_prefix = (start, cache.k[:, slots], cache.v[:, slots])
+        return self.saved_prefix[1:]
 
     def device_block(self, logical: int, length: int) -> int:
         """The device block of a sink or window block of a context of `length` tokens."""

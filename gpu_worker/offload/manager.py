@@ -11,6 +11,7 @@ from dataclasses import asdict, replace
 import torch
 
 from pulseinfer.gpu_worker.batch import ForwardBatch
+from pulseinfer.gpu_worker.faults import FaultPlan
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
 from pulseinfer.gpu_worker.offload.counters import RecallCounters
@@ -33,8 +34,17 @@ HOST_ERRORS = (PoolExhausted, KVStoreUnavailable, HostPoolLost, ValueError)
 class OffloadManager:
     """The worker's offloaded requests: their states and host blocks, and each step's context."""
 
-    def __init__(self, config: OffloadConfig, cache: PagedKVCache, host: HostTier, scorer: Scorer, per_head: bool = False):
+    def __init__(
+        self,
+        config: OffloadConfig,
+        cache: PagedKVCache,
+        host: HostTier,
+        scorer: Scorer,
+        per_head: bool = False,
+        faults: FaultPlan | None = None,
+    ):
         self.scorer = scorer
+        self.faults = faults or FaultPlan()
         self.geometry = config.geometry(cache.spec.block_size)
         self.policy = config.policy(cache.k.device, per_head)
         self.cache = cache
@@ -164,6 +174,13 @@ class OffloadManager:
         except PoolExhausted as e:
             raise PoolExhausted(f"request {seq_id}: host KV pool exhausted ({e})") from e
 
+    def forget_recalls(self, seq_ids: list[str]) -> None:
+        """After a failed step, before its requests run again: what its recalls were to bring may not
+        have landed, so their hot buffers start empty (recalled again when selected)."""
+        for seq_id in seq_ids:
+            if (seq := self.seqs.get(seq_id)) is not None:
+                self.hot.clear(seq.hot_row)
+
     def name_blocks(self, named: tuple[BlockNames, ...]) -> None:
         """Gives the host tier's prefix cache the offloaded requests' full blocks the plan names, written
         by now (best effort: a block left unnamed costs a later request its reuse, nothing else)."""
@@ -196,9 +213,9 @@ class OffloadManager:
         if not chunks:
             return None
         ctx = StepContext(
-            self.cache, self.view, self.geometry, self.policy, self.scorer, self.hot, self.counters, self.mass, self.workspace
+            self.cache, self.view, self.geometry, self.policy, self.scorer, self.hot, self.counters, self.mass, self.workspace, self.faults
         )
-        copier = HostCopier(self.view, self.remote, self.cache, self.policy.per_head, self.copies)
+        copier = HostCopier(self.view, self.remote, self.cache, self.policy.per_head, self.copies, self.faults)
         queue = RecallQueue(self.io, copier, self.counters, self.policy)
         return OffloadStep(ctx, [self.seqs[c.seq_id] for c in chunks], chunks, batch, queue, root=True)
 

@@ -8,12 +8,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as ResultTimeout  # before Python 3.11 not the builtin TimeoutError
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from pulseinfer.common.syncs import to_device
+from pulseinfer.gpu_worker.faults import FaultPlan
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.config import RecallPolicy
 from pulseinfer.gpu_worker.offload.counters import RecallCounters
@@ -61,8 +62,11 @@ class HostCopier:
     cache: PagedKVCache
     per_head: bool
     copies: CopyStream | None  # on CUDA; None on CPU
+    faults: FaultPlan = field(default_factory=FaultPlan)  # the tests' injected faults (none in service)
 
     def __call__(self, layer: int, recalls: list[Recall]) -> None:
+        if self.faults.armed:
+            self.faults.check("recall", {r.seq_id for r in recalls})
         if self.remote is not None:
             groups = [r.group for r in recalls] if self.per_head else None
             self.remote(layer, [r.host for r in recalls], [r.device for r in recalls], groups)

@@ -12,6 +12,7 @@ import torch
 
 from pulseinfer.common.syncs import to_device
 from pulseinfer.gpu_worker.batch import DecodePhase, ForwardBatch, PrefillSpan
+from pulseinfer.gpu_worker.faults import FaultPlan
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.config import OffloadGeometry, RecallPolicy
 from pulseinfer.gpu_worker.offload.counters import RecallCounters
@@ -39,6 +40,7 @@ class StepContext:
     counters: RecallCounters
     mass: AttentionMass | None  # evals: the share of dense attention mass the selection keeps
     workspace: GatherWorkspace  # the attention-mass measurement's context gathers
+    faults: FaultPlan  # the tests' injected faults (empty in service)
 
 
 class OffloadStep:
@@ -60,7 +62,7 @@ class OffloadStep:
         self.resident_rows = resident_rows if resident else None
         self.offloaded_index = decode_index if resident else None  # None when they are the whole batch (no indexing then)
         self.by_id = {s.seq_id: s for s in seqs}
-        self.writes = StepWrites(seqs, chunks, batch, ctx.geometry)
+        self.writes = StepWrites(seqs, chunks, batch, ctx.geometry, ctx.cache)
         if root:
             for seq, chunk in zip(seqs, chunks):
                 seq.length = chunk.end_pos  # layer by layer, the writes make it true before attention reads it
@@ -91,7 +93,7 @@ class OffloadStep:
         and starts recalling the misses on the I/O thread; decode_phases(layer) waits for it. The
         prediction fills the hot buffer's whole capacity (room beyond the budget: more of what the
         true query picks is already on its way); the true query's selection never evicts its own blocks."""
-        _, recalls = self.selector.select(layer, q, self.ctx.geometry.hot_blocks)
+        _, recalls = self._select(layer, q, self.ctx.geometry.hot_blocks)
         if recalls:
             self.queue.submit(layer, recalls)
             self.ctx.counters.add(prefetched_units=len(recalls))
@@ -150,6 +152,10 @@ class OffloadStep:
         """Waits (counted) until the layer's recalls in flight have landed."""
         self.queue.settle(layer, None)
 
+    def _select(self, layer: int, q: torch.Tensor, budget: int) -> tuple[Selection, list[Recall]]:
+        self.ctx.faults.check("selection", self.decode_rows)
+        return self.selector.select(layer, q, budget)
+
     def _index(self, groups: list[list[int]], device: torch.device) -> list[torch.Tensor]:
         """Each group of positions among the offloaded rows, then their decode rows, on the device in one copy."""
         rows = [[self.offloaded_rows[i] for i in positions] for positions in groups]
@@ -179,7 +185,7 @@ class OffloadStep:
         """Every selected block lands before attention: the layer-ahead recall first (the true
         query's misses may take its blocks), then the misses, copied on this thread."""
         self.land(layer)
-        selection, recalls = self.selector.select(layer, q, self.ctx.geometry.budget_blocks)
+        selection, recalls = self._select(layer, q, self.ctx.geometry.budget_blocks)
         if recalls:
             self._correct(layer, recalls)
             self.queue.in_line(layer, recalls)
@@ -188,7 +194,7 @@ class OffloadStep:
     def _start_recalls(self, layer: int, q: torch.Tensor) -> Selection:
         """Selects with the true query; its misses queue behind the layer-ahead recall on the I/O
         thread (so blocks are written in the order they were assigned)."""
-        selection, recalls = self.selector.select(layer, q, self.ctx.geometry.budget_blocks)
+        selection, recalls = self._select(layer, q, self.ctx.geometry.budget_blocks)
         if recalls:
             self._correct(layer, recalls)
             self.queue.submit(layer, recalls)

@@ -17,13 +17,13 @@ from pulseinfer.scheduler.plan import Chunk
 class StepWrites:
     """The chunks' write indices, built once per step (they do not depend on the layer)."""
 
-    def __init__(self, seqs: list[OffloadedSeq], chunks: list[Chunk], batch: ForwardBatch, g: OffloadGeometry):
+    def __init__(self, seqs: list[OffloadedSeq], chunks: list[Chunk], batch: ForwardBatch, g: OffloadGeometry, cache: PagedKVCache):
         B = self.block_size = g.block_size
         # the new tokens of device blocks go straight to the cache; the host-bound blocks (full and past
         # the sink) are assembled in a buffer, one block per row: any earlier tokens of the chunk's
         # partly filled first block from the cache, the rest from the new tokens
         dev_slots, dev_tokens, prefix_buf, prefix_slots, host_buf, host_tokens = [], [], [], [], [], []
-        host_ids, summary_runs = [], []
+        host_ids, summary_runs, saved_buf, saved = [], [], [], []
         for seq, chunk in zip(seqs, chunks):
             start, end = chunk.start_pos, chunk.end_pos
             flat = batch.chunk_starts[chunk.seq_id] - start  # the flat token index of context position 0
@@ -37,7 +37,12 @@ class StepWrites:
                     dev_tokens.append(tokens)
                 if j >= g.sink_blocks and hi == B:
                     row0 = len(host_ids) * B
-                    if lo:
+                    if lo and j >= g.sink_blocks and (end - 1) // B - j >= g.ring_blocks:
+                        # the chunk wraps its ring onto this block: its earlier tokens are kept apart first,
+                        # for this step and for running it again should it fail
+                        saved_buf.append(torch.arange(row0, row0 + lo))
+                        saved.append(seq.saved_prefix_of(start, cache))
+                    elif lo:
                         dev = seq.device_block(j, start)
                         prefix_buf.append(torch.arange(row0, row0 + lo))
                         prefix_slots.append(torch.arange(dev * B, dev * B + lo))
@@ -50,10 +55,11 @@ class StepWrites:
         def cat(parts: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
-        indices = [cat(parts) for parts in (dev_slots, dev_tokens, prefix_buf, prefix_slots, host_buf, host_tokens)]
-        self.dev_slots, self.dev_tokens, self.prefix_buf, self.prefix_slots, self.host_buf, self.host_tokens = to_device(
-            indices, batch.input_ids.device
-        )
+        indices = [cat(parts) for parts in (dev_slots, dev_tokens, prefix_buf, prefix_slots, host_buf, host_tokens, saved_buf)]
+        on_device = to_device(indices, batch.input_ids.device)
+        self.dev_slots, self.dev_tokens, self.prefix_buf, self.prefix_slots, self.host_buf, self.host_tokens, self.saved_buf = on_device
+        # [layers, rows, kv_heads, dim] of K and V: the saved earlier tokens, in saved_buf's rows
+        self.saved = tuple(torch.cat(parts, dim=1) for parts in zip(*saved)) if saved else None
         self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
         self.summary_runs = summary_runs  # (request, first summary slot, first host_ids row, count)
 
@@ -67,10 +73,12 @@ class StepWrites:
         B, count = self.block_size, self.host_ids.numel()
         k_cache, v_cache = cache.layer(layer)
         blocks = []
-        for new, cached in ((k, k_cache), (v, v_cache)):
-            if count:  # read before the device writes: a long chunk's window may reuse the ring slot of its first block
+        for i, (new, cached) in enumerate(((k, k_cache), (v, v_cache))):
+            if count:  # read before the device writes (a wrapping chunk's prefix was saved at the step's start)
                 buf = torch.empty((count * B, *cached.shape[1:]), dtype=cached.dtype, device=cached.device)
                 buf[self.prefix_buf] = cached[self.prefix_slots]
+                if self.saved is not None:
+                    buf[self.saved_buf] = self.saved[i][layer]
                 buf[self.host_buf] = new[self.host_tokens]
                 blocks.append(buf.view(count, B, *cached.shape[1:]))
             cached.index_copy_(0, self.dev_slots, new[self.dev_tokens])

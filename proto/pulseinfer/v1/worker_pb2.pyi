@@ -114,7 +114,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., released: _Optional[_Iterable[int]] = ..., admitted: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., grant_handles: _Optional[_Iterable[int]] = ..., grant_blocks: _Optional[_Iterable[int]] = ..., prefill_handles: _Optional[_Iterable[int]] = ..., prefill_lengths: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Iterable[int]] = ..., name_handles: _Optional[_Iterable[int]] = ..., name_blocks: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[bytes]] = ..., demote_blocks: _Optional[_Iterable[int]] = ..., demote_names: _Optional[_Iterable[bytes]] = ..., score_handles: _Optional[_Iterable[int]] = ..., score_next: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "handles", "token_ids", "forward_s", "idle_s", "error", "failed", "recall", "compute_s", "tier_copy_s", "logprob_handles", "logprobs", "prompt_handles", "prompt_logprobs")
+    __slots__ = ("step_id", "handles", "token_ids", "forward_s", "idle_s", "error", "failed", "recall", "compute_s", "tier_copy_s", "logprob_handles", "logprobs", "prompt_handles", "prompt_logprobs", "isolated_failures")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class StepResult(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ISOLATED_FAILURES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -143,7 +144,8 @@ class StepResult(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.Logprobs]
     prompt_handles: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.Logprobs]
-    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ..., tier_copy_s: _Optional[float] = ..., logprob_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.Logprobs, _Mapping]]] = ..., prompt_handles: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.Logprobs, _Mapping]]] = ...) -> None: ...
+    isolated_failures: int
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., recall: _Optional[_Union[RecallStats, _Mapping]] = ..., compute_s: _Optional[float] = ..., tier_copy_s: _Optional[float] = ..., logprob_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.Logprobs, _Mapping]]] = ..., prompt_handles: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.Logprobs, _Mapping]]] = ..., isolated_failures: _Optional[int] = ...) -> None: ...
 
 class RecallStats(_message.Message):
     __slots__ = ("units", "transfers", "bytes", "wait_s", "prefetched_units", "corrected_units", "io_busy_s", "truncated_units", "suspended_rows", "resumed_layers")
