@@ -12,6 +12,7 @@ gateway/tool_parsers.py; here they are put together by model family.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,20 +62,22 @@ class ChatParser:
     reasoning: bool = False
     tool_format: str | None = None  # a key of tool_parsers.TOOL_PARSE
 
-    def parse(self, text: str, *, think_open: bool | None = None, tools: bool = True, new_id: IdFactory = make_tool_call_id) -> ChatParts:
-        """A whole output. tools: whether the request offered tools (without, calls stay content, as
-        in vLLM); think_open: see split_qwen3_reasoning."""
+    def parse(
+        self, text: str, *, think_open: bool | None = None, tools: Collection[str] = (), new_id: IdFactory = make_tool_call_id
+    ) -> ChatParts:
+        """A whole output. tools: the names of the functions the request offers, the only ones a call
+        may name (none: calls stay content, as in vLLM); think_open: see split_qwen3_reasoning."""
         reasoning, content = split_qwen3_reasoning(text, think_open) if self.reasoning else (None, text or None)
         calls: list[dict[str, Any]] = []
         if tools and self.tool_format and content:
-            content, calls = TOOL_PARSE[self.tool_format](content, new_id)
+            content, calls = TOOL_PARSE[self.tool_format](content, tools, new_id)
         return ChatParts(reasoning, content, tuple(calls))
 
-    def stream(self, *, think_open: bool | None = None, tools: bool = True, new_id: IdFactory = make_tool_call_id) -> ChatStream:
+    def stream(self, *, think_open: bool | None = None, tools: Collection[str] = (), new_id: IdFactory = make_tool_call_id) -> ChatStream:
         """A stream whose deltas add up to parse() of the same text with the same arguments."""
         return ChatStream(
             Qwen3ReasoningStream(think_open) if self.reasoning else None,
-            TOOL_STREAM[self.tool_format](new_id) if tools and self.tool_format else None,
+            TOOL_STREAM[self.tool_format](tools, new_id) if tools and self.tool_format else None,
         )
 
 
@@ -111,12 +114,12 @@ class ForcedOutput(Protocol):
 
 @dataclass(frozen=True)
 class ChatOutput:
-    """How one chat request's choices divide: the model's parser, whether the request offered tools
-    (tool_choice not "none"), whether its prompt left a <think> open (the template may write it);
-    or, for a forced tool_choice, the calls its constrained output holds."""
+    """How one chat request's choices divide: the model's parser, the functions its output may call
+    (those offered; none with tool_choice "none"), whether its prompt left a <think> open (the
+    template may write it); or, for a forced tool_choice, the calls its constrained output holds."""
 
     parser: ChatParser
-    tools: bool
+    tools: frozenset[str]
     think_open: bool | None
     forced: ForcedOutput | None = None
 
@@ -133,7 +136,7 @@ class ChatOutput:
     @property
     def divides(self) -> bool:
         """Whether a choice's text is anything but content."""
-        return self.forced is not None or self.parser.reasoning or (self.tools and self.parser.tool_format is not None)
+        return self.forced is not None or self.parser.reasoning or (bool(self.tools) and self.parser.tool_format is not None)
 
 
 def chat_parser_for(name: str, family: str) -> ChatParser:

@@ -9,21 +9,22 @@ import hmac
 import time
 import uuid
 from array import array
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from pulseinfer.common.grammar import GrammarTokenizer, structured_grammar
 from pulseinfer.common.model.meta import ModelMeta
 from pulseinfer.common.model.tokenizer import TextStream
+from pulseinfer.gateway.grammar_checks import GrammarChecks
 from pulseinfer.gateway.metrics import GatewayMetrics
 from pulseinfer.gateway.nodes import Nodes, summed
 from pulseinfer.gateway.session import Submitted
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2
 from pulseinfer.scheduler.plan import Logprobs
-from pulseinfer.scheduler.request import SamplingParams, check_token_ids
+from pulseinfer.scheduler.request import ParamError, SamplingParams, check_token_ids
 from pulseinfer.scheduler.wire import logprobs_from_proto, params_to_proto
 
 FINISH_NAMES = {
@@ -103,7 +104,7 @@ class GatewayCore:
         model_id: str,
         nodes: Nodes,
         metrics: GatewayMetrics,
-        grammars: Callable[[], GrammarTokenizer] | None = None,
+        grammars: GrammarChecks | None = None,
     ):
         """`grammars`: what structured outputs' grammars are checked with (None: they are refused)."""
         self.meta = meta
@@ -142,28 +143,54 @@ class GatewayCore:
         return self.meta.config.vocab_size
 
     def prepare(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> Prepared:
-        """Checks a request against the model; raises ValueError with the reason."""
+        """Checks a request against the model; raises ParamError with the reason and the field."""
         vocab = self.vocab_size
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        check_token_ids(prompt_ids, vocab, "prompt token ids")
+            raise ParamError("the prompt is empty", "prompt")
+        check_token_ids(prompt_ids, vocab, "prompt token ids", "prompt")
         room = self.max_context - len(prompt_ids)
         if room < 1:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_context} tokens")
+            raise ParamError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_context} tokens", "prompt")
         if max_tokens_given and params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens ({params.max_tokens}) + prompt ({len(prompt_ids)} tokens) exceeds the context of {self.max_context} tokens"
+            raise ParamError(
+                f"max_tokens ({params.max_tokens}) + prompt ({len(prompt_ids)} tokens) exceeds the context of {self.max_context} tokens",
+                "max_tokens",
             )
         params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         params.validate(vocab)
-        if params.structured is not None:  # a bad grammar is refused here, before it is queued
-            if self.grammars is None:
-                raise ValueError("this server does not serve structured outputs")
-            self.grammars().check(structured_grammar(*params.structured))
         return Prepared(uuid.uuid4().hex, tuple(prompt_ids), params)  # unguessable: no client can name another's request
+
+    async def check_structured(self, params: SamplingParams) -> None:
+        """A request's structured output checked before it is queued, once whatever its prompts and
+        n (its params validated by prepare): in a helper process, off the event loop. ParamError
+        naming "structured" or "min_tokens"."""
+        if params.structured is None:
+            return
+        if self.grammars is None:
+            raise ParamError("this server does not serve structured outputs", "structured")
+        try:
+            await self.grammars.check(*params.structured, params.min_tokens)
+        except ParamError:
+            self.metrics.grammar_checks.inc(result="refused")
+            raise
+        self.metrics.grammar_checks.inc(result="ok")
 
     async def generate(self, request: Prepared) -> AsyncIterator[Delta | Final]:
         """Streams text deltas, then one Final. Raises GenerationError only before the first event."""
+        async with aclosing(await self.admit(request)) as events:
+            async for event in events:
+                yield event
+
+    async def admit(self, request: Prepared) -> AsyncGenerator[Delta | Final, None]:
+        """Submits the request and returns once the scheduler has accepted it (GenerationError if it
+        refused): its events, text deltas then one Final, which a client reads as the request runs,
+        however long it waits in the queue first. Closing them early aborts the request."""
+        events = self._run(request)
+        await anext(events)  # to the acceptance: from then on, closing the events ends the request
+        return events
+
+    async def _run(self, request: Prepared) -> AsyncGenerator[Delta | Final | None, None]:
+        """None once the request is accepted, then its events."""
         arrived = time.perf_counter()
         try:
             node = self.nodes.place(request.request_id, request.prompt_ids)
@@ -177,6 +204,7 @@ class GatewayCore:
         try:
             await self._accepted(submitted)
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+            yield None
             async for event in self._events(submitted, request, arrived):
                 yield event
         finally:
@@ -200,6 +228,7 @@ class GatewayCore:
         while True:
             messages = await submitted.pending()
             if prompt_logprobs := _joined(messages, "prompt_logprobs"):
+                self.metrics.prompt_tokens_scored.inc(len(prompt_logprobs))
                 yield Delta("", [], prompt_logprobs=prompt_logprobs)
             tokens = [t for m in messages for t in m.token_ids]
             if tokens:

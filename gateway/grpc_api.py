@@ -87,7 +87,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             raise ValueError(f"request_id must be 1-{MAX_REQUEST_ID} characters of ASCII letters, digits, '_', '.', ':' and '-'")
         prompt_ids = await self.core.tokenize(_prompt(request))
         params = params_from_proto(request.sampling, self.default_max_tokens)
-        return self.core.prepare(prompt_ids, params, request.sampling.HasField("max_tokens"))
+        prepared = self.core.prepare(prompt_ids, params, request.sampling.HasField("max_tokens"))
+        await self.core.check_structured(prepared.params)
+        return prepared
 
     async def _check_key(self, context) -> None:
         if self.api_key is None:

@@ -6,11 +6,12 @@ import asyncio
 import dataclasses
 import functools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from importlib.metadata import version
 from json.encoder import encode_basestring
+from typing import TypeVar
 
 import grpc
 from starlette.applications import Starlette
@@ -33,7 +34,7 @@ from pulseinfer.gateway.openai_api import (
 )
 from pulseinfer.gateway.openai_responses import ChoiceOutput, ResponseShape, finish_reason
 from pulseinfer.scheduler.plan import Logprobs
-from pulseinfer.scheduler.request import check_token_ids
+from pulseinfer.scheduler.request import ParamError, check_token_ids
 
 MAX_REQUEST_BYTES = 2 << 20  # a prompt filling a 32k context is well under 1 MiB of JSON
 _to_json = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps with options builds an encoder per call
@@ -52,9 +53,10 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-def generation_error(error: GenerationError) -> ApiError:
+def generation_error(error: GenerationError, prompt_field: str) -> ApiError:
+    """A refusal of the cluster's as an HTTP error: what it refuses as invalid is a prompt it cannot hold."""
     status = GRPC_TO_HTTP.get(error.status, 503)
-    return ApiError(status, error.message, code="rate_limited" if status == 429 else None)
+    return ApiError(status, error.message, param=prompt_field if status == 400 else None, code="rate_limited" if status == 429 else None)
 
 
 class HttpApi:
@@ -134,8 +136,8 @@ class HttpApi:
             self._check_model(body)
             what = parse_tokenize(body, self.core.render_chat)
             ids = await self.core.encode(what.text, what.add_special)
-        except ValueError as e:
-            return error_response(ApiError(400, str(e)))
+        except ValueError as e:  # the template refused the messages, or the text cannot fit the context
+            return error_response(ApiError(400, str(e), param="messages" if body.get("messages") is not None else "prompt"))
         except ApiError as e:
             return error_response(e)
         return JSONResponse({"count": len(ids), "max_model_len": self.core.max_context, "tokens": ids, "token_strs": None})
@@ -146,7 +148,7 @@ class HttpApi:
             body = parse_body(await read_body(request, self.max_request_bytes))
             self._check_model(body)
             ids = parse_detokenize(body)
-            check_token_ids(ids, self.core.vocab_size, "tokens")
+            check_token_ids(ids, self.core.vocab_size, "tokens", "tokens")
         except ValueError as e:
             return error_response(ApiError(400, str(e), param="tokens"))
         except ApiError as e:
@@ -174,16 +176,22 @@ class HttpApi:
         try:
             self._require_key(request)
             parsed = self._parse(parse_body(await read_body(request, self.max_request_bytes)), chat)
-            choices = await self._start(parsed)
+            return await _unless_disconnected(request, self._respond(parsed, chat))
         except ApiError as e:
             self.core.metrics.errors.inc(code=str(e.status))
             return error_response(e)
+        except _ClientGone:
+            return Response(status_code=499)  # for the log: nobody reads it
+
+    async def _respond(self, parsed: ParsedRequest, chat: bool) -> Response:
+        """The choices admitted, then the stream of their events, or, not streamed, the whole response."""
+        choices = await self._start(parsed)
         shape = ResponseShape(chat, self.core.model_id, choices[0].request_id)
         view = ChoiceView(self.logprob_format, chat, parsed)
         output = self._chat_output(parsed, choices[0].prompt_ids) if chat else None
         if parsed.stream:
             return StreamingResponse(self._sse(shape, choices, parsed, view, output), media_type="text/event-stream")
-        return await self._until_done_or_disconnect(request, self._collect(shape, choices, parsed.n, view, output))
+        return await self._collect(shape, choices, parsed.n, view, output)
 
     def _chat_output(self, parsed: ParsedRequest, prompt_ids: tuple[int, ...]) -> ChatOutput | None:
         """How a chat's choices divide (None: all content). Whether the prompt left a <think> open is
@@ -191,22 +199,32 @@ class HttpApi:
         think_open = None
         if self.chat_parser.reasoning:
             think_open = prompt_opens_think(self.core.tokenizer.decode(list(prompt_ids[-_THINK_TAIL_TOKENS:]), skip_special=False))
-        output = ChatOutput(self.chat_parser, parsed.tool_calls, think_open, parsed.forced)
+        output = ChatOutput(self.chat_parser, parsed.tools, think_open, parsed.forced)
         return output if output.divides else None
 
     async def _start(self, parsed: ParsedRequest) -> list[Choice]:
-        """Every choice admitted, in index order (n per prompt), or none: the first choice of each
-        prompt is admitted first and the others once it has its first token, when its prompt's full
-        blocks are in the prefix cache, which they reuse (the prompt is computed once)."""
+        """Every choice accepted by the scheduler, in index order (n per prompt), or none. A prompt's
+        other choices are submitted once its first has its first token: the prompt's full blocks are
+        in the prefix cache then, which they reuse, and its prompt logprobs have all come, which they
+        are given (the prompt is computed and scored once). Nothing more is waited for: a choice
+        queued behind others streams once it runs, and those running stream meanwhile."""
         prepared = [await self._prepare(prompt, parsed) for prompt in parsed.prompts]
+        await self._check_structured(parsed)
         echoed = [await self._echoed(prompt, p) if parsed.echo else "" for prompt, p in zip(parsed.prompts, prepared)]
         started: list[Choice] = []
         try:
-            await self._admit(started, [(i * parsed.n, p, echoed[i]) for i, p in enumerate(prepared)])
-            copies = [(i * parsed.n + j, self._copy(p, j), echoed[i]) for i, p in enumerate(prepared) for j in range(1, parsed.n)]
-            await self._admit(started, copies)
-        except BaseException:
+            await _gathered(started, [self._admit_first(i * parsed.n, p, echoed[i], parsed.n) for i, p in enumerate(prepared)])
+            firsts = sorted(started, key=lambda c: c.index)
+            copies = [
+                self._admit(c.index + j, self._copy(p, j), c.echoed, c.prompt_logprobs_head())
+                for c, p in zip(firsts, prepared)
+                for j in range(1, parsed.n)
+            ]
+            await _gathered(started, copies)
+        except BaseException as e:
             await asyncio.gather(*(c.events.aclose() for c in started), return_exceptions=True)
+            if isinstance(e, GenerationError):  # before any byte of the body: an HTTP status
+                raise generation_error(e, parsed.param("prompt")) from None
             raise
         return sorted(started, key=lambda c: c.index)
 
@@ -216,22 +234,24 @@ class HttpApi:
             return prompt.text
         return await asyncio.to_thread(self.core.tokenizer.decode, list(prepared.prompt_ids))
 
-    async def _admit(self, started: list[Choice], requests: list[tuple[int, Prepared, str]]) -> None:
-        """Submits the requests at once; each one whose first event came is appended to `started`."""
+    async def _admit(self, index: int, prepared: Prepared, echoed: str, head: list[Delta | Final] | None = None) -> Choice:
+        """A choice accepted by the scheduler (GenerationError if refused). `head`: the events it
+        begins with (a copy's prompt logprobs, from its first)."""
+        events = await self.core.admit(prepared)
+        return Choice(index, prepared.request_id, head or [], events, prepared.prompt_ids, echoed)
 
-        async def admit(index: int, prepared: Prepared, echoed: str) -> None:
-            events = self.core.generate(prepared)
-            first = await self._first_event(events)
-            started.append(Choice(index, prepared.request_id, first, events, prepared.prompt_ids, echoed))
-
-        results = await asyncio.gather(*(admit(*r) for r in requests), return_exceptions=True)
-        if errors := [r for r in results if isinstance(r, BaseException)]:
-            raise errors[0]
+    async def _admit_first(self, index: int, prepared: Prepared, echoed: str, n: int) -> Choice:
+        """A prompt's first choice; with copies to follow, read through its first token."""
+        choice = await self._admit(index, prepared, echoed)
+        if n > 1:
+            await _read_to_first_token(choice)  # raising, its stream has ended: nothing is left to close
+        return choice
 
     def _copy(self, prepared: Prepared, copy: int) -> Prepared:
-        """Choice `copy` of a prompt: a request of its own, with a seed of its own when seeded (its tokens differ)."""
+        """Choice `copy` of a prompt: a request of its own, with a seed of its own when seeded (its
+        tokens differ), which scores no prompt: the first choice's prompt logprobs are its."""
         seed = prepared.params.seed
-        params = prepared.params if seed is None else dataclasses.replace(prepared.params, seed=(seed + copy) % 2**63)
+        params = dataclasses.replace(prepared.params, prompt_logprobs=None, seed=None if seed is None else (seed + copy) % 2**63)
         return self.core.prepare(list(prepared.prompt_ids), params, max_tokens_given=True)
 
     def _require_key(self, request: Request) -> None:
@@ -266,15 +286,16 @@ class HttpApi:
         try:
             prompt_ids = await self.core.tokenize(prompt)
             return self.core.prepare(prompt_ids, parsed.params, parsed.max_tokens_given)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        except ValueError as e:  # one naming no field is the prompt's: its template refused it, or it cannot fit
+            raise ApiError(400, str(e), param=parsed.param(getattr(e, "param", "prompt"))) from None
 
-    async def _first_event(self, events: AsyncIterator[Delta | Final]) -> Delta | Final:
-        """Admission errors must become an HTTP status before any byte of the body is sent."""
+    async def _check_structured(self, parsed: ParsedRequest) -> None:
+        """The request's structured output checked once, whatever its prompts and n (its params
+        validated by _prepare)."""
         try:
-            return await anext(events)
-        except GenerationError as e:
-            raise generation_error(e) from None
+            await self.core.check_structured(parsed.params)
+        except ParamError as e:
+            raise ApiError(400, str(e), param=parsed.param(e.param)) from None
 
     async def _collect(self, shape: ResponseShape, choices: list[Choice], n: int, view: ChoiceView, output: ChatOutput | None) -> Response:
         outputs = await asyncio.gather(*(_output_of(choice) for choice in choices))  # cancelled: each closes its stream
@@ -293,19 +314,8 @@ class HttpApi:
                     choice["prompt_logprobs"] = prompt
         return JSONResponse(body)
 
-    async def _until_done_or_disconnect(self, request: Request, work) -> Response:
-        """A non-streaming request whose client hangs up is aborted, not finished for nobody."""
-        task = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not task.done():
-            task.cancel()  # the generator's finally aborts the request
-            return Response(status_code=499)
-        return task.result()
-
     async def _sse(self, shape: ResponseShape, choices: list[Choice], parsed: ParsedRequest, view: ChoiceView, output: ChatOutput | None):
-        # a client that disconnects closes this generator, which closes every stream (core.generate aborts its request)
+        # a client that disconnects closes this generator, which closes every choice's events (aborting its request)
         text_lines = {choice.index: _text_line_template(shape, choice.index) for choice in choices}
         streams = {choice.index: view.stream(choice.prompt_ids) for choice in choices}
         divided = {choice.index: output.stream() for choice in choices} if output is not None else {}
@@ -348,22 +358,39 @@ class HttpApi:
 
 @dataclass
 class Choice:
-    """One choice's generation, admitted: its first event and the rest."""
+    """One choice's generation, admitted: the events read already (head) and the rest."""
 
     index: int
     request_id: str
-    first: Delta | Final
+    head: list[Delta | Final]
     events: AsyncIterator[Delta | Final]
     prompt_ids: tuple[int, ...]
     echoed: str  # the text an echoing completion begins with ("" without echo)
 
+    def prompt_logprobs_head(self) -> list[Delta | Final]:
+        """The head a copy of this choice begins with: the prompt logprobs read so far, as one event."""
+        scored = Logprobs.concat([e.prompt_logprobs for e in self.head if isinstance(e, Delta) and e.prompt_logprobs is not None])
+        return [] if scored is None else [Delta("", [], prompt_logprobs=scored)]
+
+
+async def _read_to_first_token(choice: Choice) -> None:
+    """Reads the choice's events into its head through its first token (or its Final): the prompt
+    logprobs come before it."""
+    while not choice.head or _before_first_token(choice.head[-1]):
+        choice.head.append(await anext(choice.events))
+
+
+def _before_first_token(event: Delta | Final) -> bool:
+    return isinstance(event, Delta) and event.prompt_logprobs is not None
+
 
 async def _events_of(choice: Choice) -> AsyncIterator[Delta | Final]:
-    """Its events, the first included, through its Final; its stream closed after (also when cancelled)."""
+    """Its events, the head's first, through its Final; its stream closed after (also when cancelled)."""
     try:
-        event = choice.first
-        yield event
-        while isinstance(event, Delta):
+        event = None
+        for event in choice.head:
+            yield event
+        while not isinstance(event, Final):
             event = await anext(choice.events)
             yield event
     finally:
@@ -411,6 +438,42 @@ async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[int, Delta | Fin
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _gathered(done: list[Choice], work: list[Awaitable[Choice]]) -> None:
+    """Runs the work at once, appending each choice it returns to `done`; then raises the first error
+    (every piece has ended: the caller can close what was done)."""
+
+    async def run(piece: Awaitable[Choice]) -> None:
+        done.append(await piece)
+
+    results = await asyncio.gather(*(run(piece) for piece in work), return_exceptions=True)
+    if errors := [r for r in results if isinstance(r, BaseException)]:
+        raise errors[0]
+
+
+class _ClientGone(Exception):
+    """The client hung up before its response was made."""
+
+
+T = TypeVar("T")
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client hangs up first, `work` is cancelled (a generation's stream
+    closed aborts its request: nothing runs for nobody, queued or running) and _ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its aborts sent before the answer
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
 
 
 async def read_body(request: Request, limit: int) -> bytes:

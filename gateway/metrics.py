@@ -169,6 +169,9 @@ class ClusterMetrics:
                 p + "tier_copy_seconds_total", "Time the worker spent demoting and promoting prefix blocks before its forwards."
             ),
             "tier_copy_s_max": Gauge(p + "tier_copy_seconds_max", "The most one step spent demoting and promoting before its forward."),
+            "isolated_failures": Counter(
+                p + "step_isolated_failures_total", "Requests that failed alone in a step that raised; the step's other requests ran."
+            ),
         }
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache (0-1).")
         self.allocators_corrupt = Gauge(p + "kv_allocators_corrupt", "Block allocators failing their self-check (0: healthy).")
@@ -246,9 +249,11 @@ class GatewayMetrics(ClusterMetrics):
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive tokens of a request.")
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to its end.")
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.prompt_tokens_scored = Counter(p + "prompt_tokens_scored_total", "Prompt tokens whose logprobs the workers computed.")
         self.generation_tokens = Counter(p + "generation_tokens_total", "Generated tokens.")
         self.finished = Counter(p + "request_success_total", "Requests finished, by finish reason.")
         self.errors = Counter(p + "request_errors_total", "Requests rejected or failed, by status code.")
+        self.grammar_checks = Counter(p + "grammar_checks_total", "Structured outputs checked (once a request, whatever its n), by result.")
         self.routed = Counter(p + "router_requests_total", "Requests the gateway sent to each node, and why it chose it.")
         self.node_up = Gauge(p + "router_node_up", "1 while the node answers the gateway's polls, 0 while it does not.")
         self.index_blocks = Gauge(p + "router_index_blocks", "KV block names the router believes the node holds.")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -197,8 +197,14 @@ class ParsedRequest:
     max_tokens_given: bool
     stream: bool
     include_usage: bool
-    tool_calls: bool = False  # a chat's output is parsed for tool calls (tools offered, tool_choice not "none")
+    tools: frozenset[str] = frozenset()  # the functions a chat's output may call (offered, tool_choice not "none")
     forced: ForcedToolCalls | None = None  # a chat's tool_choice "required" or named: its output is the calls' JSON
+    # the request field behind a SamplingParams field (or "prompt") where the names differ: what a 400 names
+    fields: dict[str, str] = field(default_factory=dict)
+
+    def param(self, name: str) -> str:
+        """The request field a problem with `name` (a SamplingParams field, or "prompt") is in."""
+        return self.fields.get(name, name)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -237,14 +243,21 @@ def parse_chat(body: dict, default_max_tokens: int) -> ParsedRequest:
     logprobs = _or(request.top_logprobs, 0) if request.logprobs else None
     prompt = _chat_prompt(request.messages, request.tools, request.chat_template_kwargs)
     parsed = _parsed(request, (prompt,), default_max_tokens, max_tokens, logprobs, request.prompt_logprobs)
+    names = frozenset(tool.function.name for tool in request.tools or ())
+    fields = parsed.fields | {
+        "prompt": "messages",
+        "logprobs": "top_logprobs",
+        "max_tokens": "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens",
+    }
     forced = _forced_tool_calls(request)
     if forced is None:
-        return dataclasses.replace(parsed, tool_calls=bool(request.tools) and request.tool_choice != "none")
+        return dataclasses.replace(parsed, tools=names if request.tool_choice != "none" else frozenset(), fields=fields)
     if parsed.params.structured is not None:
         raise ApiError(400, "a 'tool_choice' that forces a call constrains the output: it takes no 'response_format'", param="tool_choice")
     tools, parallel = [tool.model_dump() for tool in request.tools], request.parallel_tool_calls is not False
     params = dataclasses.replace(parsed.params, structured=_structured(lambda: forced_tool_schema(tools, forced.named, parallel)))
-    return dataclasses.replace(parsed, params=params, tool_calls=True, forced=forced)
+    # the constraint is built from the tools' parameter schemas: a grammar they make is theirs
+    return dataclasses.replace(parsed, params=params, tools=names, forced=forced, fields=fields | {"structured": "tools"})
 
 
 def _chat_prompt(messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: dict[str, Any] | None) -> Prompt:
@@ -363,7 +376,8 @@ def _parsed(
     if request.stream_options is not None and not stream:
         raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
     include_usage = request.stream_options is not None and _or(request.stream_options.include_usage, False)
-    return ParsedRequest(prompts, n, params, echo, max_tokens is not None, stream, include_usage)
+    structured = "response_format" if request.response_format is not None else "structured_outputs"
+    return ParsedRequest(prompts, n, params, echo, max_tokens is not None, stream, include_usage, fields={"structured": structured})
 
 
 def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
@@ -407,6 +421,8 @@ def _turn(message: ChatMessage, param: str) -> dict[str, Any]:
         raise ApiError(400, f"'{param}.tool_calls' is an assistant's", param=f"{param}.tool_calls")
     if message.tool_call_id is not None and message.role != "tool":
         raise ApiError(400, f"'{param}.tool_call_id' is a tool message's", param=f"{param}.tool_call_id")
+    if message.tool_call_id is None and message.role == "tool":
+        raise ApiError(400, f"'{param}.tool_call_id' is required: the call a tool message answers", param=f"{param}.tool_call_id")
     if message.content is None and not message.tool_calls:
         raise ApiError(400, f"'{param}.content' is required (an assistant with tool calls may leave it out)", param=f"{param}.content")
     turn["content"] = "" if message.content is None else _chat_content(message.content, f"{param}.content")
@@ -421,7 +437,7 @@ def _template_call(call: ToolCall, param: str) -> dict[str, Any]:
     """A tool call as chat templates read it: arguments as an object (vLLM does the same)."""
     try:
         arguments = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # arguments nested thousands deep exhaust the recursion limit
         arguments = None
     if not isinstance(arguments, dict):
         raise ApiError(400, f"'{param}.function.arguments' must be the JSON text of an object", param=f"{param}.function.arguments")

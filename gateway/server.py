@@ -9,12 +9,13 @@ import uvicorn
 
 from pulseinfer.common import grpc_common
 from pulseinfer.common.api_key import resolve_api_key
-from pulseinfer.common.grammar import grammars_built_aside
+from pulseinfer.common.grammar import GrammarVocab
 from pulseinfer.common.grpc_common import add_health_and_reflection, add_servicer, set_serving
 from pulseinfer.common.model.meta import load_model_meta, served_name
 from pulseinfer.common.tls import TlsConfig
 from pulseinfer.gateway.chat_parsers import chat_parser_for
 from pulseinfer.gateway.core import GatewayCore
+from pulseinfer.gateway.grammar_checks import GrammarChecks
 from pulseinfer.gateway.grpc_api import SERVICE, GenerationService
 from pulseinfer.gateway.http_api import MAX_REQUEST_BYTES, HttpApi
 from pulseinfer.gateway.metrics import GatewayMetrics
@@ -61,7 +62,8 @@ async def serve(config: GatewayConfig) -> None:
     metrics = GatewayMetrics()
     nodes = Nodes(config.nodes, config.router, config.tls.channel, metrics)
     stops = [meta.tokenizer.eos_id] if meta.tokenizer.eos_id is not None else []
-    grammars = grammars_built_aside(meta.tokenizer, meta.config.vocab_size, stops)
+    # a grammar needs a stop token: without one, structured outputs are refused
+    grammars = GrammarChecks(GrammarVocab.of(meta.tokenizer, meta.config.vocab_size, stops)) if stops else None
     core = GatewayCore(meta, model_id, nodes, metrics, grammars)
     await nodes.start()
 
@@ -92,3 +94,5 @@ async def serve(config: GatewayConfig) -> None:
     finally:
         await server.stop(grace=1)
         await nodes.close()
+        if grammars is not None:
+            grammars.close()

@@ -100,14 +100,34 @@ def forced_tool_schema(tools: list[dict[str, Any]], named: str | None, parallel:
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, "parameters": parameters},
+            "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/{name}"}},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for name, parameters in functions.items()
+        for name in functions
     ]
-    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
-    return ("json_schema", json.dumps(array))
+    # Each function's schema is a definition of the array's, its local $refs rebased onto it: nested
+    # as they were, "#/$defs/Unit" would name the array's $defs. Function names are unique, and
+    # need no escaping in a JSON pointer (no "/" or "~").
+    try:
+        definitions = {name: _rebased(parameters, f"#/$defs/{name}") for name, parameters in functions.items()}
+    except RecursionError:
+        raise StructuredError("a function's 'parameters' nest too deeply", "tools") from None
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": definitions}
+    return ("json_schema", json.dumps(array | ({} if parallel else {"maxItems": 1})))
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """A copy of the schema with its local $refs ("#" and "#/...") made relative to `base`, the
+    pointer of where it now lives."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {key: _rebased(value, base) for key, value in schema.items()}
+    if isinstance(ref := schema.get("$ref"), str) and ref.startswith("#"):
+        rebased["$ref"] = base + ref[1:]
+    return rebased
 
 
 class ForcedToolCalls:
@@ -131,13 +151,13 @@ class ForcedToolCalls:
     def _calls(self, text: str) -> list[tuple[str, str]] | None:
         try:
             value = json.loads(text)
-        except ValueError:
+            if self.named is not None:
+                return [(self.named, text)] if isinstance(value, dict) else None
+            if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
+                return None
+            return [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser recurses: it stays content
             return None
-        if self.named is not None:
-            return [(self.named, text)] if isinstance(value, dict) else None
-        if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
-            return None
-        return [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
 
 
 class _ForcedStream:

@@ -1,10 +1,14 @@
 """Tool calls in a model's own format -> OpenAI tool_calls, whole and streamed: hermes `<tool_call>`
-JSON blocks (Qwen2.5, Qwen3) and Llama 3.1's JSON calls, after vLLM's hermes and llama3_json parsers."""
+JSON blocks (Qwen2.5, Qwen3) and Llama 3.1's JSON calls, after vLLM's hermes and llama3_json parsers.
+
+A call is one only if it names a function the request offers: a client cannot run any other, so an
+output naming one stays content, where the client sees what the model wrote. Text that does not
+parse (bad JSON, or JSON nested past what the parser recurses into) stays content too."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from pulseinfer.gateway.chat_text import ChatDelta, IdFactory, find_tag, make_tool_call_id, partial_tag
@@ -16,14 +20,18 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON")  # json.loads takes NaN and Infinity; arguments must be JSON
 
 
+# what a model's text may raise when parsed: JSON nested thousands deep exhausts the recursion limit
+_PARSE_ERRORS = (ValueError, RecursionError)
+
+
 def _loads(text: str) -> Any:
     return json.loads(text, parse_constant=_reject_constant)
 
 
-def _named_call(obj: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """(name, arguments as a JSON string) of a call object, or None if it is not one: a non-empty
-    string name and an object of arguments (under the first of argument_keys it has)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+def _named_call(obj: Any, argument_keys: tuple[str, ...], offered: Collection[str]) -> tuple[str, str] | None:
+    """(name, arguments as a JSON string) of a call object, or None if it is not one: the name of an
+    offered function and an object of arguments (under the first of argument_keys it has)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in offered:
         return None
     arguments = next((obj[key] for key in argument_keys if key in obj), None)
     if not isinstance(arguments, dict):
@@ -51,18 +59,20 @@ class ToolStream(Protocol):
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 
 
-def _hermes_call(body: str) -> tuple[str, str] | None:
+def _hermes_call(body: str, offered: Collection[str]) -> tuple[str, str] | None:
     try:
-        return _named_call(_loads(body), ("arguments",))
-    except ValueError:
+        return _named_call(_loads(body), ("arguments",), offered)
+    except _PARSE_ERRORS:
         return None
 
 
-def parse_hermes_tool_calls(text: str, new_id: IdFactory = make_tool_call_id) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a whole output.
+def parse_hermes_tool_calls(
+    text: str, offered: Collection[str], new_id: IdFactory = make_tool_call_id
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a whole output; `offered`: the names of the request's functions.
 
     A block runs from `<tool_call>` to the next `</tool_call>`, or to the end if none comes. A block
-    whose body is not a call object (bad JSON, no name, no arguments object) stays in the content,
+    whose body is not a call object (bad JSON, no offered name, no arguments object) stays in the content,
     tags and all; vLLM would return the whole output as content, but a stream cannot take back the
     calls it already sent. The text outside the calls is the content (vLLM keeps only what precedes
     the first), less the whitespace-only runs between, before or after calls ("\\n" between blocks).
@@ -75,7 +85,7 @@ def parse_hermes_tool_calls(text: str, new_id: IdFactory = make_tool_call_id) ->
         body_at = start + len(TOOL_START)
         end = text.find(TOOL_END, body_at)
         pos = len(text) if end < 0 else end + len(TOOL_END)
-        call = _hermes_call(text[body_at : len(text) if end < 0 else end])
+        call = _hermes_call(text[body_at : len(text) if end < 0 else end], offered)
         if call is None:
             segments[-1] += text[start:pos]
         else:
@@ -109,7 +119,8 @@ class HermesToolStream(_BufferedToolStream):
     is buffered to its `</tool_call>` (or the end), then sent as a call (name, then all its arguments)
     or, if not one, as content."""
 
-    def __init__(self, new_id: IdFactory = make_tool_call_id):
+    def __init__(self, offered: Collection[str], new_id: IdFactory = make_tool_call_id):
+        self._offered = offered
         self._new_id = new_id
         self._buf = ""  # text not emitted yet: a block's body after its <tool_call>, or content
         self._in_block = False
@@ -157,7 +168,7 @@ class HermesToolStream(_BufferedToolStream):
         return text
 
     def _close_block(self, body: str, raw: str, content: list[str], calls: list[dict[str, Any]]) -> None:
-        call = _hermes_call(body)
+        call = _hermes_call(body, self._offered)
         if call is None:
             content.append(self._text(raw))
             return
@@ -171,10 +182,11 @@ class HermesToolStream(_BufferedToolStream):
 PYTHON_TAG = "<|python_tag|>"
 
 
-def _llama_calls(text: str) -> list[tuple[str, str]] | None:
+def _llama_calls(text: str, offered: Collection[str]) -> list[tuple[str, str]] | None:
     """The calls of an output that is nothing but calls, or None. Calls must start the output (after
     whitespace, and <|python_tag|>), as in vLLM's stream (its whole parse takes JSON anywhere and drops
-    the text around it); objects are separated by ';' and whitespace, and may nest to any depth."""
+    the text around it); objects are separated by ';' and whitespace, and may nest as deep as the
+    JSON parser recurses."""
     head = text.lstrip()
     if head.startswith(PYTHON_TAG):
         head = head[len(PYTHON_TAG) :]
@@ -187,9 +199,9 @@ def _llama_calls(text: str) -> list[tuple[str, str]] | None:
         pos = len(head) - len(head[pos:].lstrip())
         try:
             obj, pos = decoder.raw_decode(head, pos)
-        except ValueError:
+            call = _named_call(obj, ("arguments", "parameters"), offered)  # Llama's prompts ask for either
+        except _PARSE_ERRORS:
             return None
-        call = _named_call(obj, ("arguments", "parameters"))  # Llama's prompts ask for either
         if call is None:
             return None
         calls.append(call)
@@ -204,10 +216,13 @@ def _llama_calls(text: str) -> list[tuple[str, str]] | None:
         pos = len(head) - len(rest)
 
 
-def parse_llama3_json_tool_calls(text: str, new_id: IdFactory = make_tool_call_id) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_llama3_json_tool_calls(
+    text: str, offered: Collection[str], new_id: IdFactory = make_tool_call_id
+) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of a whole output: calls and no content, or, if the output is not all
-    calls (_llama_calls), all of it as content (as vLLM, which returns the output on any error)."""
-    calls = _llama_calls(text)
+    calls of offered functions (_llama_calls), all of it as content (as vLLM, which returns the output
+    on any error)."""
+    calls = _llama_calls(text, offered)
     if calls is None:
         return text or None, []
     return None, [_tool_call(new_id(), *call) for call in calls]
@@ -217,7 +232,8 @@ class Llama3JsonToolStream(_BufferedToolStream):
     """parse_llama3_json_tool_calls, streamed: an output starting with `{` or <|python_tag|> (after
     whitespace) is buffered to the end, then sent as calls or as content; any other streams as content."""
 
-    def __init__(self, new_id: IdFactory = make_tool_call_id):
+    def __init__(self, offered: Collection[str], new_id: IdFactory = make_tool_call_id):
+        self._offered = offered
         self._new_id = new_id
         self._buf = ""
         self._state = "start"  # start -> calls | content
@@ -234,15 +250,18 @@ class Llama3JsonToolStream(_BufferedToolStream):
         if self._state == "calls" and not final:
             return ChatDelta()
         text, self._buf = self._buf, ""
-        calls = _llama_calls(text) if self._state == "calls" else None
+        calls = _llama_calls(text, self._offered) if self._state == "calls" else None
         if calls is None:
             return ChatDelta(content=text)
         deltas = [d for index, call in enumerate(calls) for d in _tool_call_deltas(index, self._new_id(), *call)]
         return ChatDelta(tool_calls=tuple(deltas))
 
 
-TOOL_PARSE: dict[str, Callable[[str, IdFactory], tuple[str | None, list[dict[str, Any]]]]] = {
+TOOL_PARSE: dict[str, Callable[[str, Collection[str], IdFactory], tuple[str | None, list[dict[str, Any]]]]] = {
     "hermes": parse_hermes_tool_calls,
     "llama3_json": parse_llama3_json_tool_calls,
 }
-TOOL_STREAM: dict[str, Callable[[IdFactory], ToolStream]] = {"hermes": HermesToolStream, "llama3_json": Llama3JsonToolStream}
+TOOL_STREAM: dict[str, Callable[[Collection[str], IdFactory], ToolStream]] = {
+    "hermes": HermesToolStream,
+    "llama3_json": Llama3JsonToolStream,
+}

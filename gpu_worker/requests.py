@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pulseinfer.common.grammar import GrammarTokenizer, structured_grammar
+from pulseinfer.common.grammar import GrammarTokenizer
 from pulseinfer.kv_store.prefix_cache import promotion_owner
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.scheduler.plan import BlockNames, Chunk, SamplingSpec, StepOutcome, StepPlan
@@ -36,7 +36,7 @@ class Running:
     table: tuple[int, ...] = ()
     ended: bool = False  # it sampled a stop token, or this worker failed it: later chunks of it are dropped
     prompt_top: int = -1  # its prefill chunks score their tokens, with this many alternatives; -1: they do not
-    refused: str | None = None  # why it cannot run here (its structured output's grammar): its first chunk fails
+    refused: str | None = None  # why it cannot run here (no grammar tokenizer for its structured output): its first chunk fails
 
 
 @dataclass
@@ -175,15 +175,13 @@ class RequestTable:
         )
 
     def _match_grammar(self, sampling: SamplingSpec) -> str | None:
-        """Gives a structured spec its grammar's matcher, advanced past the request's outputs so far;
-        why it cannot, if it cannot."""
+        """Gives a structured spec its grammar's matcher, advanced past the request's outputs so far
+        and built on a grammar thread, off the step loop: its first mask waits for it, and a grammar
+        it cannot follow fails the request there (the sampler). Why it cannot, if it cannot."""
         if self.grammars is None:
             return "this worker has no tokenizer to follow a structured output's grammar with"
-        try:
-            grammar = structured_grammar(*sampling.structured)
-            sampling.grammar = self.grammars().matcher(grammar, sampling.history.outputs if sampling.history else ())
-        except ValueError as e:
-            return f"its structured output: {e}"
+        outputs = sampling.history.outputs if sampling.history else ()
+        sampling.grammar = self.grammars().structured_matcher(*sampling.structured, outputs)
         return None
 
     def _grant(self, handles, blocks) -> None:

@@ -131,6 +131,7 @@ def _bench_parser(sub) -> None:
     from pulseinfer.bench import (
         control_plane,
         dense_decode,
+        grammar_stall,
         host_pool,
         kernels_compile,
         layer_ahead,
@@ -223,6 +224,12 @@ def _bench_parser(sub) -> None:
             structured_masks,
             structured_masks.StructuredMasksBenchConfig,
             "structured outputs' grammar masks: the sampler of a batch under JSON schemas against it unconstrained",
+        ),
+        (
+            "grammar-stall",
+            grammar_stall,
+            grammar_stall.GrammarStallBenchConfig,
+            "a stream's largest gap between tokens while a 500 KB JSON schema is checked and compiled, against alone (starts its server)",
         ),
         (
             "selection-scorers",

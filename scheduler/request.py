@@ -25,6 +25,14 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+class ParamError(ValueError):
+    """A request field out of range; `param` names it: a SamplingParams field, or "prompt"."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -55,40 +63,41 @@ class SamplingParams:
         return penalizes(self)
 
     def validate(self, vocab_size: int) -> None:
-        """Raises ValueError naming the first bad field."""
+        """Raises ParamError naming the first bad field."""
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= UINT32_MAX:
-            raise ValueError(f"max_tokens must be an integer in [1, {UINT32_MAX}], got {self.max_tokens!r}")
+            raise ParamError(f"max_tokens must be an integer in [1, {UINT32_MAX}], got {self.max_tokens!r}", "max_tokens")
         if not 0 <= self.temperature <= FLOAT32_MAX:  # also refuses NaN
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ParamError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not 0 <= self.top_k <= vocab_size:
-            raise ValueError(f"top_k must be in [0, {vocab_size}] (0 disables it), got {self.top_k!r}")
+            raise ParamError(f"top_k must be in [0, {vocab_size}] (0 disables it), got {self.top_k!r}", "top_k")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+            raise ParamError(f"seed must be in [0, 2**63), got {self.seed!r}", "seed")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
-        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+            raise ParamError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids", "stop_token_ids")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ParamError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
+            raise ParamError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}", "min_tokens")
         if len(self.logit_bias) > MAX_LOGIT_BIAS or any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
-            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, each with a bias in [-100, 100]")
-        check_token_ids([token for token, _ in self.logit_bias], vocab_size, "logit_bias token ids")
+            raise ParamError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, each with a bias in [-100, 100]", "logit_bias")
+        check_token_ids([token for token, _ in self.logit_bias], vocab_size, "logit_bias token ids", "logit_bias")
         if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
-            raise ValueError("logit_bias names a token twice")
+            raise ParamError("logit_bias names a token twice", "logit_bias")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+                raise ParamError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", name)
         if not 0 < self.repetition_penalty <= FLOAT32_MAX:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+            raise ParamError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}", "repetition_penalty")
         if self.structured is not None and self.structured[0] not in GRAMMAR_KINDS:
-            raise ValueError(f"a structured output's kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.structured[0]!r}")
+            kinds = ", ".join(GRAMMAR_KINDS)
+            raise ParamError(f"a structured output's kind must be one of {kinds}, got {self.structured[0]!r}", "structured")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
+                raise ParamError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}", name)
 
     def stop_ids(self, eos_id: int | None) -> frozenset[int]:
         """The tokens that end the request when sampled."""
@@ -96,10 +105,10 @@ class SamplingParams:
         return frozenset((*self.stop_token_ids, *eos))
 
 
-def check_token_ids(ids, vocab_size: int, what: str) -> None:
+def check_token_ids(ids, vocab_size: int, what: str, param: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"{what} out of vocabulary range [0, {vocab_size}): {bad[:4]}")
+        raise ParamError(f"{what} out of vocabulary range [0, {vocab_size}): {bad[:4]}", param)
 
 
 class SeqStatus(enum.Enum):
@@ -145,7 +154,7 @@ class Sequence:
         """Checks a request (ValueError naming the problem) and draws its seed when it has none."""
         params.validate(vocab_size)
         prompt_ids = tuple(prompt_ids)
-        check_token_ids(prompt_ids, vocab_size, "prompt token ids")
+        check_token_ids(prompt_ids, vocab_size, "prompt token ids", "prompt")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         return cls(seq_id, prompt_ids, params, seed)
 

@@ -10,24 +10,32 @@ from pathlib import Path
 from pulseinfer.bench import cluster
 
 
+def children_of(pid: int) -> dict[int, list[bytes]]:
+    """The process's children: pid -> command line (its arguments), read from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found[int(entry.name)] = cmdline
+    return found
+
+
 class ServingCluster(cluster.ServingCluster):
     def children(self) -> dict[str, int]:
         """Service name -> pid of the launcher's children, read from /proc."""
         found = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.process.pid and len(cmdline) > 2 and cmdline[1] == b"-m":
+        for child, cmdline in children_of(self.process.pid).items():
+            if len(cmdline) > 2 and cmdline[1] == b"-m":
                 name = cmdline[2].decode().removeprefix("pulseinfer.")
                 if name == "gpu_worker":
                     name += cmdline[cmdline.index(b"--worker-id") + 1].decode()
-                found[name] = int(entry.name)
+                found[name] = child
         return found
 
     def request(self, path: str, body: bytes | dict | None = None, key: str | None = "default") -> tuple[int, dict | str]:

@@ -21,6 +21,8 @@ from pulseinfer.gateway.chat_text import (
 )
 from pulseinfer.gateway.tool_parsers import parse_hermes_tool_calls, parse_llama3_json_tool_calls
 
+OFFERED = frozenset({"get_weather", "get_time", "f", "a", "b"})  # the functions the texts' requests offer
+
 
 def ids():
     """A fresh id factory: the whole parse and a stream of the same text name their calls alike."""
@@ -115,7 +117,7 @@ MODES = (True, False, None)
 )
 def test_split_qwen3_reasoning(text, think_open, expected):
     assert split_qwen3_reasoning(text, think_open) == expected
-    assert parser_for("qwen3").parse(text, think_open=think_open, tools=False) == ChatParts(*expected)
+    assert parser_for("qwen3").parse(text, think_open=think_open) == ChatParts(*expected)
 
 
 REASONING_TEXTS = [
@@ -137,7 +139,7 @@ REASONING_TEXTS = [
 @pytest.mark.parametrize("think_open", MODES)
 @pytest.mark.parametrize("text", REASONING_TEXTS)
 def test_reasoning_streams_agree(text, think_open):
-    assert_streams_agree("qwen3", text, think_open=think_open, tools=False)
+    assert_streams_agree("qwen3", text, think_open=think_open)
 
 
 def test_reasoning_stream_holds_back_only_a_tag_piece():
@@ -214,7 +216,7 @@ WEATHER_CALL = {"city": "Paris", "days": [1, {"unit": "°C"}]}
     ],
 )
 def test_parse_hermes_tool_calls(text, content, calls):
-    assert parse_hermes_tool_calls(text, ids()) == (content, calls)
+    assert parse_hermes_tool_calls(text, OFFERED, ids()) == (content, calls)
 
 
 HERMES_TEXTS = [
@@ -233,11 +235,11 @@ HERMES_TEXTS = [
 
 @pytest.mark.parametrize("text", HERMES_TEXTS)
 def test_hermes_streams_agree(text):
-    assert_streams_agree("hermes", text)
+    assert_streams_agree("hermes", text, tools=OFFERED)
 
 
 def test_hermes_stream_deltas():
-    stream = parser_for("hermes").stream(new_id=ids())
+    stream = parser_for("hermes").stream(tools=OFFERED, new_id=ids())
     assert stream.feed("Sure. <tool") == ChatDelta(content="Sure. ")
     assert stream.feed('_call>\n{"name": "get_time", ') == ChatDelta()
     delta = stream.feed('"arguments": {"tz": "UTC"}}\n</tool_call>\n')
@@ -276,7 +278,7 @@ def test_hermes_stream_deltas():
     ],
 )
 def test_parse_llama3_json_tool_calls(text, content, calls):
-    assert parse_llama3_json_tool_calls(text, ids()) == (content, calls)
+    assert parse_llama3_json_tool_calls(text, OFFERED, ids()) == (content, calls)
 
 
 LLAMA_TEXTS = [
@@ -291,13 +293,13 @@ LLAMA_TEXTS = [
 
 @pytest.mark.parametrize("text", LLAMA_TEXTS)
 def test_llama_streams_agree(text):
-    assert_streams_agree("llama3_json", text)
+    assert_streams_agree("llama3_json", text, tools=OFFERED)
 
 
 def test_llama_stream_sends_content_at_once():
-    stream = parser_for("llama3_json").stream()
+    stream = parser_for("llama3_json").stream(tools=OFFERED)
     assert stream.feed(" The") == ChatDelta(content=" The")
-    stream = parser_for("llama3_json").stream()
+    stream = parser_for("llama3_json").stream(tools=OFFERED)
     assert stream.feed('{"name": "a", "parameters": {}}') == ChatDelta()  # calls are sent whole, at the end
     assert [part["function"] for part in stream.flush().tool_calls] == [{"name": "a", "arguments": ""}, {"arguments": "{}"}]
 
@@ -315,12 +317,12 @@ QWEN3_TEXTS = [
 @pytest.mark.parametrize("think_open", MODES)
 @pytest.mark.parametrize("text", QWEN3_TEXTS)
 def test_qwen3_streams_agree(text, think_open):
+    assert_streams_agree("qwen3", text, think_open=think_open, tools=OFFERED)
     assert_streams_agree("qwen3", text, think_open=think_open)
-    assert_streams_agree("qwen3", text, think_open=think_open, tools=False)
 
 
 def test_qwen3_reasoning_then_tools():
-    parts = parser_for("qwen3").parse(QWEN3_TEXTS[0], new_id=ids())
+    parts = parser_for("qwen3").parse(QWEN3_TEXTS[0], tools=OFFERED, new_id=ids())
     assert parts == ChatParts("\nThe user wants the weather.\n", None, (call(0, "get_weather", WEATHER_CALL),))
     assert parts.message() == {
         "role": "assistant",
@@ -329,11 +331,57 @@ def test_qwen3_reasoning_then_tools():
         "tool_calls": [call(0, "get_weather", WEATHER_CALL)],
     }
     # a call inside the reasoning is reasoning text; only the content's are calls
-    parts = parser_for("qwen3").parse(QWEN3_TEXTS[2], think_open=True, new_id=ids())
+    parts = parser_for("qwen3").parse(QWEN3_TEXTS[2], think_open=True, tools=OFFERED, new_id=ids())
     assert parts.reasoning == "Mid-thought, maybe " + TIME + "?\n" and parts.content is None
     assert parts.tool_calls == (call(0, "get_time", {}),)
     # without tools in the request, a call stays content
-    assert parser_for("qwen3").parse(QWEN3_TEXTS[0], tools=False).content == "\n\n" + WEATHER
+    assert parser_for("qwen3").parse(QWEN3_TEXTS[0]).content == "\n\n" + WEATHER
+
+
+# --- Calls the request cannot take: undeclared functions, JSON nested past the recursion limit ----
+
+UNDECLARED = '<tool_call>{"name": "delete_files", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "family, text, content, names",
+    [
+        ("hermes", UNDECLARED, UNDECLARED, []),
+        ("hermes", UNDECLARED + "\n" + TIME, UNDECLARED + "\n", ["get_time"]),  # the offered call is still one
+        ("llama3_json", '{"name": "delete_files", "parameters": {}}', '{"name": "delete_files", "parameters": {}}', []),
+        # one undeclared call makes the output not all calls: all of it is content
+        (
+            "llama3_json",
+            '{"name": "a", "parameters": {}}; {"name": "rm", "parameters": {}}',
+            '{"name": "a", "parameters": {}}; {"name": "rm", "parameters": {}}',
+            [],
+        ),
+    ],
+)
+def test_a_call_of_a_function_not_offered_stays_content(family, text, content, names):
+    whole = assert_streams_agree(family, text, tools=OFFERED)
+    assert whole.content == content and [c["function"]["name"] for c in whole.tool_calls] == names
+
+
+DEEP = "[" * 10_000 + "]" * 10_000  # JSON 10,000 arrays deep: past the recursion limit of Python's parser
+
+DEEP_TEXTS = [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": ' + DEEP + "}}</tool_call>"),
+    ("hermes", "<tool_call>" + DEEP + "</tool_call>\n" + TIME),
+    ("llama3_json", '{"name": "a", "parameters": {"x": ' + DEEP + "}}"),
+    ("llama3_json", "<|python_tag|>" + DEEP),
+    ("qwen3", "<think>\nnested\n</think>\n\n<tool_call>" + DEEP + "</tool_call>"),
+]
+
+
+@pytest.mark.parametrize("family, text", DEEP_TEXTS)
+def test_json_nested_past_the_recursion_limit_stays_content(family, text):
+    whole = parser_for(family).parse(text, think_open=False, tools=OFFERED, new_id=ids())
+    assert DEEP in whole.content
+    assert [c["function"]["name"] for c in whole.tool_calls] == (["get_time"] if text.endswith(TIME) else [])
+    for size in (len(text), 4096, 7):  # the texts are long: a few chunkings, not every split
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        assert streamed(family, pieces, think_open=False, tools=OFFERED) == whole
 
 
 def test_parser_for():
@@ -346,3 +394,10 @@ def test_parser_for():
 def test_make_tool_call_id():
     made = {make_tool_call_id() for _ in range(100)}
     assert len(made) == 100 and all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in made)
+
+
+def test_a_forced_tool_call_nested_past_the_recursion_limit_stays_content():
+    from pulseinfer.gateway.structured import ForcedToolCalls
+
+    deep = '[{"name": "f", "parameters": ' + "[" * 100_000 + "]" * 100_000 + "}]"
+    assert ForcedToolCalls(None).parse(deep).content == deep

@@ -18,19 +18,28 @@ import asyncio
 import collections
 import concurrent.futures
 import json
+import os
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.client import HTTPException, HTTPResponse
 
 import grpc
 import pytest
 from google.protobuf.message import Message
-from serving_cluster import ServingCluster
+from serving_cluster import ServingCluster, children_of
 
+from pulseinfer.common import grammar
+from pulseinfer.common.grammar import GrammarTokenizer, GrammarVocab
+from pulseinfer.common.model.meta import load_model_meta
+from pulseinfer.gateway.grammar_checks import GrammarChecks, HelperFailed
+from pulseinfer.gpu_worker.requests import RequestTable
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2 as pb
-from pulseinfer.proto.pulseinfer.v1 import generate_pb2_grpc
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2_grpc, worker_pb2
+from pulseinfer.scheduler.plan import SamplingSpec
+from pulseinfer.scheduler.wire import sampling_to_proto
 
 API_KEY = "hostile-inputs-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -42,6 +51,30 @@ AUTH = (("authorization", BEARER),)
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 BIG = "9" * 5000  # a 5,000-digit integer, over Python's default int parsing limit of 4,300 digits
+
+
+def ref_chain(depth: int) -> dict:
+    """A JSON schema whose $refs chain `depth` definitions, each an object holding the next."""
+    definitions = {f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(depth)}
+    return {"$ref": "#/$defs/d0", "$defs": definitions | {f"d{depth}": {"type": "integer"}}}
+
+
+def alternatives(count: int) -> str:
+    """A Lark grammar of `count` strings to choose from, past llguidance's 2,000 at 2,001."""
+    return "start: " + " | ".join(f'"option{i}"' for i in range(count))
+
+
+RULE_CHAIN = "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(3000)), 'r3000: "x"'])
+# within every limit (two Lark rules), but its embedded schema overflows a grammar check's stack
+STACK_BUSTER = "start: %json " + json.dumps(ref_chain(3000))
+SELF_REF = {"$ref": "#"}
+REQUIRED_RECURSION = {
+    "$defs": {"node": {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}, "required": ["child"]}},
+    "$ref": "#/$defs/node",
+}
+TOOLS_3000 = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}} for i in range(3000)]
+# a choice first (so the gateway's check of the forced start passes), then a row past llguidance's limit
+LATE_FAILURE = 'start: ("a" | "b") tail\ntail: ' + alternatives(2500).removeprefix("start: ")
 
 
 # ---------------------------------------------------------------- helpers: HTTP
@@ -120,8 +153,8 @@ def sse_text(reply: HttpReply) -> tuple[str, list[str | None]]:
     return text, [r for r in reasons if r]
 
 
-def http_problems(reply: HttpReply, status: tuple[int, ...], code: str | None) -> list[str]:
-    """What is wrong with an error reply; empty when it meets the contract."""
+def http_problems(reply: HttpReply, status: tuple[int, ...], code: str | None, param: str | None = None) -> list[str]:
+    """What is wrong with an error reply; empty when it meets the contract (`param`: the field it must name)."""
     problems = []
     if reply.status not in status or not 400 <= reply.status < 500:
         problems.append(f"status {reply.status}, want {'/'.join(map(str, status))}")
@@ -139,6 +172,8 @@ def http_problems(reply: HttpReply, status: tuple[int, ...], code: str | None) -
         problems.append(f"error.param / error.code absent: {error!r:.200}")
     if code is not None and error.get("code") != code:
         problems.append(f"error.code {error.get('code')!r}, want {code!r}")
+    if param is not None and error.get("param") != param:
+        problems.append(f"error.param {error.get('param')!r}, want {param!r}")
     return problems
 
 
@@ -219,6 +254,7 @@ class HttpCase:
     authorization: str | bytes | None = BEARER
     code: str | None = None
     chunked: bool = False
+    param: str | None = None  # the field the error must name (None: not checked)
 
     def payload(self) -> bytes:
         if isinstance(self.body, bytes):
@@ -288,18 +324,18 @@ HTTP_CASES = [
     HttpCase("prompt token id 5000 digits", raw('"max_tokens": 1', prompt=f'"prompt": [1, {BIG}]')),
     HttpCase("stop_token_ids 5000 digits", raw(f'"max_tokens": 1, "stop_token_ids": [{BIG}]')),
     # max_tokens / max_completion_tokens
-    HttpCase("chat max_tokens 0", chat(max_tokens=0), path=CHAT),
+    HttpCase("chat max_tokens 0", chat(max_tokens=0), path=CHAT, param="max_tokens"),
     HttpCase("max_tokens -1", completion(max_tokens=-1)),
     HttpCase("max_tokens 1.5", completion(max_tokens=1.5)),
     HttpCase("max_tokens string", completion(max_tokens="10")),
     HttpCase("max_tokens true", completion(max_tokens=True)),
-    HttpCase("max_tokens 2**32", completion(max_tokens=2**32)),
+    HttpCase("max_tokens 2**32", completion(max_tokens=2**32), param="max_tokens"),
     HttpCase("max_tokens 2**64", completion(max_tokens=2**64)),
-    HttpCase("max_completion_tokens 0", chat(max_tokens=..., max_completion_tokens=0), path=CHAT),
+    HttpCase("max_completion_tokens 0", chat(max_tokens=..., max_completion_tokens=0), path=CHAT, param="max_completion_tokens"),
     HttpCase("max_completion_tokens string", chat(max_tokens=..., max_completion_tokens="8"), path=CHAT),
     HttpCase("max_completion_tokens 2**64", chat(max_tokens=..., max_completion_tokens=2**64), path=CHAT),
     # temperature
-    HttpCase("temperature -1", completion(temperature=-1)),
+    HttpCase("temperature -1", completion(temperature=-1), param="temperature"),
     HttpCase("temperature string", completion(temperature="hot")),
     HttpCase("temperature 1e400 (inf)", raw('"max_tokens": 1, "temperature": 1e400')),
     HttpCase("temperature -1e400 (-inf)", raw('"max_tokens": 1, "temperature": -1e400')),
@@ -310,19 +346,19 @@ HTTP_CASES = [
         path=CHAT,
     ),
     # top_p
-    HttpCase("top_p 0", completion(top_p=0)),
-    HttpCase("chat top_p 1.5", chat(top_p=1.5), path=CHAT),
-    HttpCase("top_p -0.1", completion(top_p=-0.1)),
+    HttpCase("top_p 0", completion(top_p=0), param="top_p"),
+    HttpCase("chat top_p 1.5", chat(top_p=1.5), path=CHAT, param="top_p"),
+    HttpCase("top_p -0.1", completion(top_p=-0.1), param="top_p"),
     HttpCase("top_p NaN", raw('"max_tokens": 1, "top_p": NaN')),
     # top_k
-    HttpCase("top_k -1", completion(top_k=-1)),
+    HttpCase("top_k -1", completion(top_k=-1), param="top_k"),
     HttpCase("top_k 2**32", completion(top_k=2**32)),
     HttpCase("top_k 2**40", completion(top_k=2**40)),
-    HttpCase("top_k over the vocabulary", completion(top_k=VOCAB + 1)),
+    HttpCase("top_k over the vocabulary", completion(top_k=VOCAB + 1), param="top_k"),
     HttpCase("top_k 1.5", completion(top_k=1.5)),
     # seed
-    HttpCase("seed -1", completion(seed=-1)),
-    HttpCase("seed 2**63", completion(seed=2**63)),
+    HttpCase("seed -1", completion(seed=-1), param="seed"),
+    HttpCase("seed 2**63", completion(seed=2**63), param="seed"),
     HttpCase("seed 2**64", completion(seed=2**64)),
     HttpCase("seed 1.5", completion(seed=1.5)),
     HttpCase("seed string", completion(seed="7")),
@@ -333,8 +369,8 @@ HTTP_CASES = [
     HttpCase("stop empty string", completion(stop="")),
     HttpCase("stop 17 strings", completion(stop=[f"s{i}" for i in range(17)])),
     HttpCase("stop null in array", completion(stop=[None])),
-    HttpCase("stop_token_ids negative", completion(stop_token_ids=[-1])),
-    HttpCase("stop_token_ids over the vocabulary", completion(stop_token_ids=[VOCAB])),
+    HttpCase("stop_token_ids negative", completion(stop_token_ids=[-1]), param="stop_token_ids"),
+    HttpCase("stop_token_ids over the vocabulary", completion(stop_token_ids=[VOCAB]), param="stop_token_ids"),
     HttpCase("stop_token_ids strings", completion(stop_token_ids=["a"])),
     HttpCase("stop_token_ids not an array", completion(stop_token_ids=7)),
     HttpCase("stop_token_ids booleans", completion(stop_token_ids=[True])),
@@ -344,7 +380,7 @@ HTTP_CASES = [
     HttpCase("prompt empty string", completion(prompt="")),
     HttpCase("prompt empty array", completion(prompt=[])),
     HttpCase("prompt token id negative", completion(prompt=[-1])),
-    HttpCase("prompt token id over the vocabulary", completion(prompt=[VOCAB])),
+    HttpCase("prompt token id over the vocabulary", completion(prompt=[VOCAB]), param="prompt"),
     HttpCase("prompt token id float", completion(prompt=[1.5])),
     HttpCase("prompt token id boolean", completion(prompt=[True])),
     HttpCase("prompt batch of a string and a number", completion(prompt=["hi", 3])),
@@ -353,8 +389,8 @@ HTTP_CASES = [
     HttpCase("prompt batch of one empty list", completion(prompt=[[]])),
     HttpCase("prompt object", completion(prompt={"a": 1})),
     HttpCase("prompt boolean", completion(prompt=True)),
-    HttpCase("prompt 9000 token ids (over the context)", completion(prompt=[1] * 9000)),
-    HttpCase("max_tokens 8000 after a 500-token prompt", completion(prompt=[1] * 500, max_tokens=8000)),
+    HttpCase("prompt 9000 token ids (over the context)", completion(prompt=[1] * 9000), param="prompt"),
+    HttpCase("max_tokens 8000 after a 500-token prompt", completion(prompt=[1] * 500, max_tokens=8000), param="max_tokens"),
     # messages
     HttpCase("messages left out", chat(messages=...), path=CHAT),
     HttpCase("messages empty", chat(messages=[]), path=CHAT),
@@ -377,10 +413,10 @@ HTTP_CASES = [
     HttpCase("prompt batch of 129", completion(prompt=["a"] * 129)),
     HttpCase("prompt batch with an empty token list", completion(prompt=[[1, 2], []])),
     HttpCase("logit_bias key not a token id", completion(logit_bias={"x": 1})),
-    HttpCase("logit_bias 1000", completion(logit_bias={"1": 1000})),
-    HttpCase("logit_bias token out of vocabulary", completion(logit_bias={str(VOCAB): 1})),
-    HttpCase("min_p 2", completion(min_p=2)),
-    HttpCase("min_tokens over max_tokens", completion(max_tokens=4, min_tokens=5)),
+    HttpCase("logit_bias 1000", completion(logit_bias={"1": 1000}), param="logit_bias"),
+    HttpCase("logit_bias token out of vocabulary", completion(logit_bias={str(VOCAB): 1}), param="logit_bias"),
+    HttpCase("min_p 2", completion(min_p=2), param="min_p"),
+    HttpCase("min_tokens over max_tokens", completion(max_tokens=4, min_tokens=5), param="min_tokens"),
     HttpCase("an unknown field", completion(frobnicate=True)),
     HttpCase("chat tool without a function", chat(tools=[{"type": "function"}]), path=CHAT),
     HttpCase("chat tool name with a space", chat(tools=[{"type": "function", "function": {"name": "a b"}}]), path=CHAT),
@@ -398,20 +434,87 @@ HTTP_CASES = [
         path=CHAT,
     ),
     HttpCase("chat_template_kwargs sets messages", chat(chat_template_kwargs={"messages": []}), path=CHAT),
+    HttpCase(
+        "chat tool message without tool_call_id",
+        chat(messages=[*USER, {"role": "tool", "content": "sunny"}]),
+        path=CHAT,
+        param="messages[1].tool_call_id",
+    ),
+    HttpCase(
+        "chat tool_calls arguments nested 100000 deep",
+        chat(
+            messages=[
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": nested(100_000)}}],
+                }
+            ]
+        ),
+        path=CHAT,
+        param="messages[0].tool_calls[0].function.arguments",
+    ),
+    # values checked against the model and the grammar engine: each names its field
+    HttpCase("chat top_logprobs 21", chat(logprobs=True, top_logprobs=21), path=CHAT, param="top_logprobs"),
+    HttpCase("chat top_logprobs -1", chat(logprobs=True, top_logprobs=-1), path=CHAT, param="top_logprobs"),
+    HttpCase("chat min_tokens over max_tokens", chat(max_tokens=2, min_tokens=3), path=CHAT, param="min_tokens"),
+    HttpCase("chat seed -1", chat(seed=-1), path=CHAT, param="seed"),
+    HttpCase("chat prompt over the context", chat(messages=[{"role": "user", "content": "hi " * 9000}]), path=CHAT, param="messages"),
+    HttpCase("structured_outputs regex invalid", completion(structured_outputs={"regex": "(a"}), param="structured_outputs"),
+    HttpCase("structured_outputs grammar invalid", completion(structured_outputs={"grammar": "start: @"}), param="structured_outputs"),
+    HttpCase(
+        "chat response_format schema invalid",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "no-such-type"}}}),
+        path=CHAT,
+        param="response_format",
+    ),
+    HttpCase(
+        "chat forced tool_choice over an invalid parameters schema",
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}], tool_choice="required"),
+        path=CHAT,
+        param="tools",
+    ),
     HttpCase("logprobs true", completion(logprobs=True)),
     HttpCase("chat top_logprobs 3", chat(top_logprobs=3), path=CHAT),
     HttpCase("best_of 2", completion(best_of=2)),
-    HttpCase("logprobs 21", completion(logprobs=21)),
-    HttpCase("prompt_logprobs -1", completion(prompt_logprobs=-1)),
+    HttpCase("logprobs 21", completion(logprobs=21), param="logprobs"),
+    HttpCase("prompt_logprobs -1", completion(prompt_logprobs=-1), param="prompt_logprobs"),
     HttpCase("echo string", completion(echo="yes")),
-    HttpCase("presence_penalty 3", completion(presence_penalty=3)),
-    HttpCase("chat frequency_penalty -2.5", chat(frequency_penalty=-2.5), path=CHAT),
-    HttpCase("repetition_penalty 0", completion(repetition_penalty=0)),
+    HttpCase("presence_penalty 3", completion(presence_penalty=3), param="presence_penalty"),
+    HttpCase("chat frequency_penalty -2.5", chat(frequency_penalty=-2.5), path=CHAT, param="frequency_penalty"),
+    HttpCase("repetition_penalty 0", completion(repetition_penalty=0), param="repetition_penalty"),
     HttpCase("repetition_penalty string", completion(repetition_penalty="1.2")),
     HttpCase("stream string", completion(stream="yes")),
     HttpCase("ignore_eos string", completion(ignore_eos="yes")),
     HttpCase("chat stream_options without stream", chat(stream_options={"include_usage": True}), path=CHAT),
     HttpCase("stream_options not an object", completion(stream=True, stream_options="usage")),
+    # structured outputs' grammars: limits, and what llguidance cannot follow (docs/hardening.md "Grammars")
+    HttpCase(
+        "json_schema $ref chain 1000 deep",
+        completion(response_format={"type": "json_schema", "json_schema": {"name": "chain", "schema": ref_chain(1000)}}),
+        param="response_format",
+    ),
+    HttpCase("lark grammar of 3000 chained rules", completion(structured_outputs={"grammar": RULE_CHAIN}), param="structured_outputs"),
+    HttpCase(
+        "lark grammar overflowing its check's stack", completion(structured_outputs={"grammar": STACK_BUSTER}), param="structured_outputs"
+    ),
+    HttpCase("regex of 1.5 MB", completion(structured_outputs={"regex": "a" * 1_500_000}), param="structured_outputs"),
+    HttpCase(
+        "choice of 2000 strings", completion(structured_outputs={"choice": [f"o{i}" for i in range(2000)]}), param="structured_outputs"
+    ),
+    HttpCase(
+        "lark alternation of 3000 strings", completion(structured_outputs={"grammar": alternatives(3000)}), param="structured_outputs"
+    ),
+    HttpCase("chat tool_choice required of 3000 tools", chat(tools=TOOLS_3000, tool_choice="required"), path=CHAT, param="tools"),
+    HttpCase("json_schema only a $ref to itself", completion(structured_outputs={"json": SELF_REF}), param="structured_outputs"),
+    HttpCase(
+        "json_schema requiring its own recursion", completion(structured_outputs={"json": REQUIRED_RECURSION}), param="structured_outputs"
+    ),
+    HttpCase(
+        "choice of one with min_tokens past it",
+        completion(structured_outputs={"choice": ["yes"]}, max_tokens=8, min_tokens=5),
+        param="min_tokens",
+    ),
     # model
     HttpCase("chat model gpt-4", chat(model="gpt-4"), (404,), path=CHAT, code="model_not_found"),
     HttpCase("streaming model gpt-4", completion(model="gpt-4", stream=True), (404,), code="model_not_found"),
@@ -525,6 +628,22 @@ GRPC_CASES = [
     GrpcCase("stop 17 strings", generate(stop=[f"s{i}" for i in range(17)])),
     GrpcCase("stop empty string", generate(stop=[""])),
     GrpcCase("stop_token_ids over the vocabulary", generate(stop_token_ids=[VOCAB])),
+    # structured outputs' grammars
+    GrpcCase(
+        "structured json_schema $ref chain 1000 deep",
+        generate(structured=pb.StructuredOutput(kind="json_schema", value=json.dumps(ref_chain(1000)))),
+    ),
+    GrpcCase(
+        "structured choice of 2000 strings",
+        generate(structured=pb.StructuredOutput(kind="choice", value=json.dumps([f"o{i}" for i in range(2000)]))),
+    ),
+    GrpcCase(
+        "structured lark alternation of 3000 strings", generate(structured=pb.StructuredOutput(kind="lark", value=alternatives(3000)))
+    ),
+    GrpcCase(
+        "structured choice of one with min_tokens past it",
+        generate(max_tokens=8, min_tokens=5, structured=pb.StructuredOutput(kind="choice", value='["yes"]')),
+    ),
     # request ids
     GrpcCase("request_id of 129 characters", generate(request_id="r" * 129)),
     GrpcCase("request_id of 1 MB", generate(request_id="r" * 1_000_000)),
@@ -560,7 +679,8 @@ def channel(cluster):
 @pytest.mark.parametrize("case", HTTP_CASES, ids=[c.id for c in HTTP_CASES])
 def test_http_hostile_request_gets_an_error(cluster, case):
     reply = send_http_case(cluster, case)
-    assert not http_problems(reply, case.status, case.code), (http_problems(reply, case.status, case.code), str(reply.body)[:300])
+    problems = http_problems(reply, case.status, case.code, case.param)
+    assert not problems, (problems, str(reply.body)[:300])
 
 
 @pytest.mark.parametrize("case", GRPC_CASES, ids=[c.id for c in GRPC_CASES])
@@ -607,7 +727,7 @@ def barrage(cluster, channel) -> Barrage:
 
 
 def test_barrage_every_case_gets_its_error_concurrently(barrage):
-    problems = [f"HTTP {c.id}: {p}" for c in HTTP_CASES for p in http_problems(barrage.http[c.id], c.status, c.code)]
+    problems = [f"HTTP {c.id}: {p}" for c in HTTP_CASES for p in http_problems(barrage.http[c.id], c.status, c.code, c.param)]
     problems += [f"gRPC {c.id}: {p}" for c in GRPC_CASES for p in grpc_problems(barrage.grpc[c.id], c.code)]
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
 
@@ -714,6 +834,134 @@ def test_tiny_temperatures_do_not_poison_the_batch(cluster, channel):
     assert final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP), final
 
 
+# ---------------------------------------------------------------- grammars: where they are compiled, what they end in
+
+
+def where() -> tuple[int, str]:
+    """The process and thread a call runs on (GrammarChecks.run pickles it by name into a helper)."""
+    return os.getpid(), threading.current_thread().name
+
+
+@pytest.fixture(scope="module")
+def grammar_vocab() -> GrammarVocab:
+    meta = load_model_meta()
+    return GrammarVocab.of(meta.tokenizer, meta.config.vocab_size, [meta.tokenizer.eos_id])
+
+
+def test_grammar_checks_run_in_a_helper_process_that_is_replaced_when_it_fails(grammar_vocab):
+    async def run() -> None:
+        checks = GrammarChecks(grammar_vocab, helpers=1, budget_s=2.0)
+        try:
+            helper, thread = await checks.run(where)
+            assert helper != os.getpid() and thread.startswith("grammar-check")
+            for fn, args, failure in [(os.abort, (), "crashed"), (time.sleep, (30,), "took over 2 s")]:
+                with pytest.raises(HelperFailed, match=failure):
+                    await checks.run(fn, *args)
+                replaced, _ = await checks.run(where)
+                assert replaced != helper
+                helper = replaced
+            with pytest.raises(ValueError, match="more memory"):
+                await checks.run(bytearray, 4 << 30)  # over the helper's memory budget: refused, the helper lives on
+            assert (await checks.run(where))[0] == helper
+        finally:
+            checks.close()
+
+    asyncio.run(run())
+
+
+def test_the_worker_compiles_a_grammar_once_on_its_grammar_thread_not_the_step_loop(monkeypatch):
+    """Two admissions of one constraint (a request's two choices): one compile, off the step loop."""
+    meta = load_model_meta()
+    tokenizer = GrammarTokenizer(meta.tokenizer, meta.config.vocab_size, [meta.tokenizer.eos_id])
+    compiled_on, build = [], grammar._built
+    monkeypatch.setattr(grammar, "_built", lambda *args: compiled_on.append(threading.current_thread().name) or build(*args))
+    table = RequestTable(meta.tokenizer.eos_id, windowed=False, grammars=lambda: tokenizer)
+    spec = sampling_to_proto(SamplingSpec(0.0, 1.0, 0, 0, 0, structured=("choice", json.dumps(["yes", "no"]))))
+    admitted = [worker_pb2.Admission(handle=h, seq_id=f"r{h}", length=3, sampling=spec) for h in (1, 2)]
+    table.stage(worker_pb2.StepPlan(step_id=1, admitted=admitted))
+    first, second = (table.running[h].sampling.grammar for h in (1, 2))
+    assert first.error is None and second.error is None  # their first use waits for them
+    yes = meta.tokenizer.backend.encode("yes", add_special_tokens=False).ids
+    for token in yes:
+        first.consume(token)
+    assert first.done and not second.done  # copies: each follows its own tokens
+    assert len(compiled_on) == 1 and compiled_on[0].startswith("grammar-matcher")
+    assert compiled_on[0] != threading.current_thread().name
+
+
+def grammar_helpers(cluster: ServingCluster, gateway: int) -> set[int]:
+    """The gateway's grammar helpers, once both run (multiprocessing's spawned children)."""
+    helpers = {pid for pid, cmdline in children_of(gateway).items() if any(b"spawn_main" in arg for arg in cmdline)}
+    return helpers if len(helpers) == 2 else set()
+
+
+def test_a_grammar_that_overflows_its_check_kills_a_helper_never_the_gateway(cluster):
+    gateway = cluster.children()["gateway"]
+    before = cluster.wait_for(lambda: grammar_helpers(cluster, gateway), 60, "two grammar helpers")
+    reply = http_json(cluster, COMPLETIONS, completion(structured_outputs={"grammar": STACK_BUSTER}))
+    assert not http_problems(reply, (400,), None, "structured_outputs") and "crashed" in reply.body["error"]["message"], reply
+    assert cluster.children()["gateway"] == gateway
+    after = cluster.wait_for(lambda: grammar_helpers(cluster, gateway), 60, "two grammar helpers again")
+    assert len(before - after) == 1  # the helper that compiled it died, and another took its place
+    reply = http_json(cluster, COMPLETIONS, completion(structured_outputs={"choice": ["yes", "no"]}, max_tokens=2))
+    assert reply.status == 200 and reply.body["choices"][0]["text"] in ("yes", "no"), reply
+
+
+def test_a_grammar_is_checked_once_a_request_whatever_its_prompts_and_n(cluster, channel):
+    def checked() -> float:
+        return cluster.metric("grammar_checks_total", result="ok") or 0
+
+    before = checked()
+    body = completion(prompt=["Yes or no?", "Is it?"], n=3, max_tokens=2, structured_outputs={"choice": ["yes", "no"]})
+    reply = http_json(cluster, COMPLETIONS, body)
+    assert reply.status == 200 and [c["text"] in ("yes", "no") for c in reply.body["choices"]] == [True] * 6, reply
+    assert checked() == before + 1
+    structured = pb.StructuredOutput(kind="choice", value=json.dumps(["yes", "no"]))
+    text, _, _ = stream_result(grpc_call(channel, "Generate", generate(max_tokens=2, structured=structured)))
+    assert text in ("yes", "no") and checked() == before + 2
+
+
+def test_a_grammar_the_worker_cannot_follow_ends_in_an_error_never_stop(cluster, channel):
+    """Its first token is free (the gateway's check passes); its second, llguidance fails on."""
+    body = completion(max_tokens=8, temperature=0, structured_outputs={"grammar": LATE_FAILURE})
+    reply = http_json(cluster, COMPLETIONS, body)
+    assert reply.status == 503 and "cannot be followed" in reply.body["error"]["message"], reply
+    events = sse_events(http_json(cluster, COMPLETIONS, body | {"stream": True}))
+    assert "cannot be followed" in events[-1]["error"]["message"], events[-3:]
+    assert all(c["finish_reason"] != "stop" for e in events if "choices" in e for c in e["choices"])
+    structured = pb.StructuredOutput(kind="lark", value=LATE_FAILURE)
+    final = grpc_call(channel, "Generate", generate(max_tokens=8, temperature=0.0, structured=structured)).responses[-1].final
+    assert final.finish_reason == pb.FINISH_REASON_ERROR and "cannot be followed" in final.error, final
+
+
+def test_min_tokens_past_the_grammar_fails_naming_the_grammar_not_the_model(cluster):
+    """Two choices: the gateway cannot tell which ends sooner; the worker fails it once the grammar has ended."""
+    reply = http_json(cluster, COMPLETIONS, completion(max_tokens=8, min_tokens=5, structured_outputs={"choice": ["yes", "no"]}))
+    message = reply.body["error"]["message"] if isinstance(reply.body, dict) and "error" in reply.body else ""
+    assert reply.status == 503 and "grammar" in message and "min_tokens" in message and "logits" not in message, reply
+
+
+# as pydantic writes a model with an enum field: a local $ref into the schema's own $defs
+UNIT_ARGUMENTS = {
+    "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"], "title": "Unit", "type": "string"}},
+    "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["unit"],
+    "title": "Arguments",
+    "type": "object",
+    "additionalProperties": False,
+}
+
+
+def test_tool_choice_required_resolves_each_functions_local_defs(cluster):
+    tools = [{"type": "function", "function": {"name": name, "parameters": UNIT_ARGUMENTS}} for name in ("get_weather", "get_time")]
+    body = chat(tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0)
+    reply = http_json(cluster, CHAT, body)
+    assert reply.status == 200, reply
+    (call,) = reply.body["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] in ("get_weather", "get_time")
+    assert json.loads(call["function"]["arguments"]) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
+
+
 # ---------------------------------------------------------------- bursts past gRPC core's queue
 
 BURST = 1300  # over gRPC core's default 1,000 queued calls, which it answered by cancelling calls at random
@@ -737,3 +985,103 @@ def test_a_burst_of_calls_gets_answers_or_resource_exhausted_never_cancelled(clu
     codes = asyncio.run(burst())
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["OK"] > 0, codes
     cluster.wait_for(lambda: cluster.metric("num_requests_running") == 0 and cluster.metric("num_requests_waiting") == 0, 60, "idle")
+
+
+# ---------------------------------------------------------------- n choices: streamed as they run, scored once
+
+STORY = completion(prompt="Tell me a long story about a lighthouse.", max_tokens=2000, ignore_eos=True, temperature=1, stream=True)
+
+
+@pytest.fixture(scope="module")
+def narrow_cluster():
+    """A worker that runs two requests at once: the choices of a request past two wait in its queue."""
+    cluster = ServingCluster("--workers", "1", "--max-batch-size", "2", "--host-kv-tokens", "16384", api_key=API_KEY)
+    yield cluster
+    assert cluster.stop() == 0
+
+
+def open_request(cluster: ServingCluster, path: str, body: dict) -> socket.socket:
+    """A request sent on a socket left open: the caller reads what it wants, then hangs up by closing it."""
+    payload = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization: {BEARER}\r\n"
+    sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=120)
+    sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> None:
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before {marker!r}: {data[-300:]!r}"
+        data += chunk
+
+
+def requests_queued(cluster: ServingCluster) -> tuple[float | None, float | None]:
+    return cluster.metric("num_requests_running"), cluster.metric("num_requests_waiting")
+
+
+def wait_until_idle(cluster: ServingCluster) -> None:
+    cluster.wait_for(lambda: requests_queued(cluster) == (0, 0), 30, "no request running or waiting")
+
+
+def test_running_choices_stream_while_others_wait_and_a_hang_up_aborts_them_all(narrow_cluster):
+    with open_request(narrow_cluster, COMPLETIONS, STORY | {"n": 4}) as client:
+        read_until(client, b"data: ")
+        _, waiting = requests_queued(narrow_cluster)
+        assert waiting >= 1, "the first chunk came only once every choice ran"
+    wait_until_idle(narrow_cluster)  # the queued choices too: none of 2,000 tokens runs for nobody
+
+
+def test_a_hang_up_before_the_response_aborts_the_choice_it_waited_for(narrow_cluster):
+    with open_request(narrow_cluster, COMPLETIONS, STORY | {"n": 2}) as busy:
+        read_until(busy, b"data: ")
+        narrow_cluster.wait_for(lambda: requests_queued(narrow_cluster) == (2, 0), 30, "both choices running")
+        # its first choice queues behind them: the response waits for its first token (its copy reuses the prompt)
+        with open_request(narrow_cluster, COMPLETIONS, completion(n=2, max_tokens=8)):
+            narrow_cluster.wait_for(lambda: requests_queued(narrow_cluster) == (2, 1), 30, "the second request queued")
+        narrow_cluster.wait_for(lambda: requests_queued(narrow_cluster) == (2, 0), 10, "the queued choice aborted")
+    wait_until_idle(narrow_cluster)
+
+
+def sse_events(reply: HttpReply) -> list[dict]:
+    assert reply.status == 200 and isinstance(reply.body, str), reply
+    lines = [line[len("data: ") :] for line in reply.body.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def scored_tokens(cluster: ServingCluster) -> float:
+    return cluster.metric("prompt_tokens_scored_total") or 0
+
+
+def test_echoed_logprobs_of_queued_choices_stream_and_are_scored_once(narrow_cluster):
+    before = scored_tokens(narrow_cluster)
+    body = completion(
+        prompt="The lighthouse keeper climbed the stairs", n=3, max_tokens=4, ignore_eos=True, logprobs=1, echo=True, stream=True
+    )
+    events = sse_events(http_json(narrow_cluster, COMPLETIONS, body | {"stream_options": {"include_usage": True}}))
+    echoed: dict[int, list] = collections.defaultdict(list)
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        logprobs = choice["logprobs"]
+        if logprobs and len(echoed[choice["index"]]) < 2:  # the prompt's first token, then the rest of its tokens
+            echoed[choice["index"]].append(logprobs)
+    assert sorted(echoed) == [0, 1, 2] and echoed[0] == echoed[1] == echoed[2]
+    assert sum(1 for e in events[:-1] if e["choices"][0]["finish_reason"] == "length") == 3
+    prompt_tokens = events[-1]["usage"]["prompt_tokens"]
+    assert scored_tokens(narrow_cluster) - before == prompt_tokens - 1  # the first prompt token has no logprob
+
+
+def test_prompt_logprobs_of_n_choices_are_scored_once_and_shared(cluster):
+    before = scored_tokens(cluster)
+    body = completion(prompt="The lighthouse keeper climbed the stairs", n=3, max_tokens=2, prompt_logprobs=2, temperature=1)
+    reply = http_json(cluster, COMPLETIONS, body)
+    assert reply.status == 200, reply
+    scored = [choice["prompt_logprobs"] for choice in reply.body["choices"]]
+    prompt_tokens = reply.body["usage"]["prompt_tokens"]
+    assert len(scored[0]) == prompt_tokens and scored[0][0] is None and all(scored[0][1:])
+    assert scored[0] == scored[1] == scored[2]
+    assert scored_tokens(cluster) - before == prompt_tokens - 1
+    chat_reply = http_json(cluster, CHAT, chat(n=3, max_tokens=2, prompt_logprobs=1))
+    assert chat_reply.status == 200 and len(chat_reply.body["prompt_logprobs"]) == chat_reply.body["usage"]["prompt_tokens"], chat_reply

@@ -686,9 +686,9 @@ def test_regex_choice_grammar_and_json_object_constrain_completions_and_chat(cli
     )
     assert local.text in choices
     for bad, param in (
-        ({"structured_outputs": {"regex": "(unclosed"}}, None),
-        ({"structured_outputs": {"choice": []}}, None),
-        ({"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 1}}}, None),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 1}}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),

@@ -212,6 +212,20 @@ def test_a_consumer_that_stops_early_aborts_its_request():
     run(test)
 
 
+def test_admit_returns_once_accepted_and_closing_a_queued_request_aborts_it():
+    async def test(core: FakeCore, port: int) -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            gw = gateway(channel)
+            with pytest.raises(GenerationError):
+                await gw.admit(prepared("full"))  # a refusal is raised by admit, before any event
+            events = await gw.admit(prepared("queued"))  # accepted: no token is waited for
+            assert "queued" in core.sinks and gw.metrics.prompt_tokens.values[()] == 3
+            await events.aclose()  # a client gone while its request waits in the queue
+            await until(lambda: core.aborted == ["queued"], "the queued request aborted")
+
+    run(test)
+
+
 def test_a_consumer_that_falls_behind_gets_one_delta_for_all_new_tokens():
     async def test(core: FakeCore, port: int) -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
