@@ -6,12 +6,9 @@ import asyncio
 import dataclasses
 import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
-from dataclasses import dataclass
+from collections.abc import Callable
 from importlib.metadata import version
 from json.encoder import encode_basestring
-from typing import TypeVar
 
 import grpc
 from starlette.applications import Starlette
@@ -21,6 +18,15 @@ from starlette.routing import Route
 
 from pulseinfer.gateway.chat_parsers import PARSERS, ChatOutput, ChatParser
 from pulseinfer.gateway.chat_text import prompt_opens_think
+from pulseinfer.gateway.choices import (
+    Choice,
+    ClientGone,
+    gathered,
+    merged_events,
+    output_of,
+    read_to_first_token,
+    unless_disconnected,
+)
 from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, Prompt, key_matches
 from pulseinfer.gateway.logprobs import NO_LOGPROBS, ChoiceView, LogprobFormat
 from pulseinfer.gateway.openai_api import (
@@ -32,8 +38,7 @@ from pulseinfer.gateway.openai_api import (
     parse_detokenize,
     parse_tokenize,
 )
-from pulseinfer.gateway.openai_responses import ChoiceOutput, ResponseShape, finish_reason
-from pulseinfer.scheduler.plan import Logprobs
+from pulseinfer.gateway.openai_responses import ResponseShape, finish_reason
 from pulseinfer.scheduler.request import ParamError, check_token_ids
 
 MAX_REQUEST_BYTES = 2 << 20  # a prompt filling a 32k context is well under 1 MiB of JSON
@@ -176,11 +181,11 @@ class HttpApi:
         try:
             self._require_key(request)
             parsed = self._parse(parse_body(await read_body(request, self.max_request_bytes)), chat)
-            return await _unless_disconnected(request, self._respond(parsed, chat))
+            return await unless_disconnected(request, self._respond(parsed, chat))
         except ApiError as e:
             self.core.metrics.errors.inc(code=str(e.status))
             return error_response(e)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)  # for the log: nobody reads it
 
     async def _respond(self, parsed: ParsedRequest, chat: bool) -> Response:
@@ -213,14 +218,14 @@ class HttpApi:
         echoed = [await self._echoed(prompt, p) if parsed.echo else "" for prompt, p in zip(parsed.prompts, prepared)]
         started: list[Choice] = []
         try:
-            await _gathered(started, [self._admit_first(i * parsed.n, p, echoed[i], parsed.n) for i, p in enumerate(prepared)])
+            await gathered(started, [self._admit_first(i * parsed.n, p, echoed[i], parsed.n) for i, p in enumerate(prepared)])
             firsts = sorted(started, key=lambda c: c.index)
             copies = [
                 self._admit(c.index + j, self._copy(p, j), c.echoed, c.prompt_logprobs_head())
                 for c, p in zip(firsts, prepared)
                 for j in range(1, parsed.n)
             ]
-            await _gathered(started, copies)
+            await gathered(started, copies)
         except BaseException as e:
             await asyncio.gather(*(c.events.aclose() for c in started), return_exceptions=True)
             if isinstance(e, GenerationError):  # before any byte of the body: an HTTP status
@@ -244,7 +249,7 @@ class HttpApi:
         """A prompt's first choice; with copies to follow, read through its first token."""
         choice = await self._admit(index, prepared, echoed)
         if n > 1:
-            await _read_to_first_token(choice)  # raising, its stream has ended: nothing is left to close
+            await read_to_first_token(choice)  # raising, its stream has ended: nothing is left to close
         return choice
 
     def _copy(self, prepared: Prepared, copy: int) -> Prepared:
@@ -298,7 +303,7 @@ class HttpApi:
             raise ApiError(400, str(e), param=parsed.param(e.param)) from None
 
     async def _collect(self, shape: ResponseShape, choices: list[Choice], n: int, view: ChoiceView, output: ChatOutput | None) -> Response:
-        outputs = await asyncio.gather(*(_output_of(choice) for choice in choices))  # cancelled: each closes its stream
+        outputs = await asyncio.gather(*(output_of(choice) for choice in choices))  # cancelled: each closes its stream
         if failed := next((out.final for out in outputs if out.final.finish_reason == "error"), None):
             return error_response(ApiError(503, failed.error, code="worker_failed"))
         outputs = [dataclasses.replace(out, text=choice.echoed + out.text) for choice, out in zip(choices, outputs)]
@@ -320,7 +325,7 @@ class HttpApi:
         streams = {choice.index: view.stream(choice.prompt_ids) for choice in choices}
         divided = {choice.index: output.stream() for choice in choices} if output is not None else {}
         finals: dict[int, Final] = {}
-        merged = _merged(choices)
+        merged = merged_events(choices)
         try:
             for choice in choices:
                 if shape.chat:
@@ -356,126 +361,6 @@ class HttpApi:
         yield "data: [DONE]\n\n"
 
 
-@dataclass
-class Choice:
-    """One choice's generation, admitted: the events read already (head) and the rest."""
-
-    index: int
-    request_id: str
-    head: list[Delta | Final]
-    events: AsyncIterator[Delta | Final]
-    prompt_ids: tuple[int, ...]
-    echoed: str  # the text an echoing completion begins with ("" without echo)
-
-    def prompt_logprobs_head(self) -> list[Delta | Final]:
-        """The head a copy of this choice begins with: the prompt logprobs read so far, as one event."""
-        scored = Logprobs.concat([e.prompt_logprobs for e in self.head if isinstance(e, Delta) and e.prompt_logprobs is not None])
-        return [] if scored is None else [Delta("", [], prompt_logprobs=scored)]
-
-
-async def _read_to_first_token(choice: Choice) -> None:
-    """Reads the choice's events into its head through its first token (or its Final): the prompt
-    logprobs come before it."""
-    while not choice.head or _before_first_token(choice.head[-1]):
-        choice.head.append(await anext(choice.events))
-
-
-def _before_first_token(event: Delta | Final) -> bool:
-    return isinstance(event, Delta) and event.prompt_logprobs is not None
-
-
-async def _events_of(choice: Choice) -> AsyncIterator[Delta | Final]:
-    """Its events, the head's first, through its Final; its stream closed after (also when cancelled)."""
-    try:
-        event = None
-        for event in choice.head:
-            yield event
-        while not isinstance(event, Final):
-            event = await anext(choice.events)
-            yield event
-    finally:
-        await choice.events.aclose()
-
-
-async def _output_of(choice: Choice) -> ChoiceOutput:
-    text, token_ids, logprobs, prompt_logprobs = [], [], [], []
-    async with aclosing(_events_of(choice)) as events:
-        async for event in events:
-            if isinstance(event, Delta):
-                text.append(event.text)
-                token_ids += event.token_ids
-                logprobs += [event.logprobs] if event.logprobs is not None else []
-                prompt_logprobs += [event.prompt_logprobs] if event.prompt_logprobs is not None else []
-    return ChoiceOutput("".join(text), token_ids, Logprobs.concat(logprobs), Logprobs.concat(prompt_logprobs), event)
-
-
-async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[int, Delta | Final]]:
-    """The choices' events as they come, each with its choice's index. One choice is read as it is
-    (no task, no queue: the common case, at every stream's token rate)."""
-    if len(choices) == 1:
-        async with aclosing(_events_of(choices[0])) as events:
-            async for event in events:
-                yield choices[0].index, event
-        return
-    queue: asyncio.Queue[tuple[int, Delta | Final] | None] = asyncio.Queue()
-
-    async def pump(choice: Choice) -> None:
-        async with aclosing(_events_of(choice)) as events:
-            async for event in events:
-                queue.put_nowait((choice.index, event))
-        queue.put_nowait(None)
-
-    tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is None:
-                running -= 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _gathered(done: list[Choice], work: list[Awaitable[Choice]]) -> None:
-    """Runs the work at once, appending each choice it returns to `done`; then raises the first error
-    (every piece has ended: the caller can close what was done)."""
-
-    async def run(piece: Awaitable[Choice]) -> None:
-        done.append(await piece)
-
-    results = await asyncio.gather(*(run(piece) for piece in work), return_exceptions=True)
-    if errors := [r for r in results if isinstance(r, BaseException)]:
-        raise errors[0]
-
-
-class _ClientGone(Exception):
-    """The client hung up before its response was made."""
-
-
-T = TypeVar("T")
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result; if the client hangs up first, `work` is cancelled (a generation's stream
-    closed aborts its request: nothing runs for nobody, queued or running) and _ClientGone raised."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # its aborts sent before the answer
-    if task.cancelled():
-        raise _ClientGone
-    return task.result()
-
-
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) unread when it declares more than `limit` bytes, or as soon as it
     streams past them (a chunked body declares nothing)."""
@@ -505,8 +390,3 @@ def _text_line_template(shape: ResponseShape, index: int) -> Callable[[str], str
     head, mark, tail = chunk.rpartition(_to_json(_TEXT_MARK))  # the text is the last field
     assert mark, "the chunk has no text field"
     return lambda text: head + encode_basestring(text) + tail
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
