@@ -105,9 +105,11 @@ def poisons_device(error: Exception) -> bool:
 
 def _halves(plan: StepPlan) -> list[StepPlan]:
     """The plan's chunks in two plans, each with its own chunks' block names."""
-    mid = len(plan.chunks) // 2
-    parts = (plan.chunks[:mid], plan.chunks[mid:])
-    return [replace(plan, chunks=part, names=tuple(n for n in plan.names if n.seq_id in {c.seq_id for c in part})) for part in parts]
+    mid, halves = len(plan.chunks) // 2, []
+    for part in (plan.chunks[:mid], plan.chunks[mid:]):
+        ids = {c.seq_id for c in part}
+        halves.append(replace(plan, chunks=part, names=tuple(n for n in plan.names if n.seq_id in ids)))
+    return halves
 
 
 def _merged(outcomes: list[StepOutcome]) -> StepOutcome:
@@ -320,7 +322,7 @@ class ModelRunner:
         faults.arm(plan.chunks)
         sampled = [c for c in plan.chunks if c.sampling is not None]
         specs = [c.sampling for c in sampled]
-        structured = [c.seq_id for c in sampled if c.sampling.grammar is not None]
+        structured = (c.seq_id for c in sampled if c.sampling.grammar is not None)  # read only when a fault is armed
         # made while the forward runs
         masks = self.masks.start(specs, lambda: faults.check("mask", structured)) if pick is None else None
         batch = build_batch(plan, self.cache.spec.block_size, self.device)
