@@ -53,7 +53,8 @@ def wait_all_up(cluster: EmulatedCluster, timeout_s: float = STARTUP_S, port: in
 
 
 def client(port: int = HTTP_PORT) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    # a guard against hangs, not a timing: on a loaded 2-core CI machine one request here took over 60 s
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=150)
 
 
 def complete(cluster: EmulatedCluster, prompt: str, port: int = HTTP_PORT, **kwargs) -> openai.types.Completion:

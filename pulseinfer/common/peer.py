@@ -7,15 +7,22 @@ for a timeout instead left requests stalled for the whole timeout (30 s) after a
 
 from __future__ import annotations
 
+import itertools
+
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+# pyzmq's default monitor address is named by the socket's file descriptor; a descriptor reused
+# before libzmq's reaper has unbound the closed socket's monitor gave "Address already in use".
+_monitor_ids = itertools.count()
 
 
 class PeerLoss:
     """Disconnects of one connected socket's peers, as they happen."""
 
     def __init__(self, socket: zmq.Socket):
-        self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.socket = socket
+        self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED, addr=f"inproc://peer-loss-{next(_monitor_ids)}")
 
     def happened(self) -> bool:
         """True if a peer disconnected since the last call."""
@@ -26,6 +33,8 @@ class PeerLoss:
         return lost
 
     def close(self) -> None:
+        if not self.socket.closed:
+            self.socket.disable_monitor()
         self.monitor.close(linger=0)
 
 
