@@ -80,7 +80,8 @@ def _head_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
 
 def quest(x: ScoringInput) -> torch.Tensor:
     kmin, kmax = block_minmax(x.blocks)
-    return quest_scores(quest_weights(x.q, kmin.shape[1]), kmin, kmax, per_head=False)[0]
+    every = torch.arange(kmin.shape[0])[None]
+    return quest_scores(quest_weights(x.q[None], kmin.shape[1]), kmin, kmax, every, per_head=False)[0, 0]
 
 
 def softmax(x: ScoringInput) -> torch.Tensor:
@@ -102,7 +103,8 @@ def quest_4(x: ScoringInput) -> torch.Tensor:
 
 def lowrank(x: ScoringInput) -> torch.Tensor:
     summaries = x.lowrank.summarize(x.layer, x.blocks)
-    return x.lowrank.scores(x.layer, x.q[None], [summaries], per_head=False)[0][0]
+    every = torch.arange(x.blocks.shape[0])[None]
+    return x.lowrank.scores(x.layer, x.q[None], summaries, every, torch.ones_like(every, dtype=torch.bool), per_head=False)[0, 0]
 
 
 def oracle(x: ScoringInput) -> torch.Tensor:

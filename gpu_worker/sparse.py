@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import torch
 
-from pulseinfer.common.syncs import to_device
 from pulseinfer.kernels.scoring import lowrank_scores, quest_scores, quest_weights
 from pulseinfer.kernels.summary import block_minmax
 
@@ -40,9 +39,11 @@ class QuestScorer:
     def summarize(self, layer: int, k_blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return block_minmax(k_blocks)
 
-    def scores(self, layer: int, q: torch.Tensor, hosted: Sequence[tuple[torch.Tensor, ...]], per_head: bool) -> list[torch.Tensor]:
-        weights = quest_weights(q, self.kv_heads)  # once for every row
-        return [quest_scores(w, kmin, kmax, per_head) for w, (kmin, kmax) in zip(weights, hosted)]
+    def scores(
+        self, layer: int, q: torch.Tensor, summaries: Sequence[torch.Tensor], table: torch.Tensor, valid: torch.Tensor, per_head: bool
+    ) -> torch.Tensor:
+        kmin, kmax = summaries
+        return quest_scores(quest_weights(q, self.kv_heads), kmin, kmax, table, per_head)
 
 
 class LowRankScorer:
@@ -59,76 +60,91 @@ class LowRankScorer:
     def summarize(self, layer: int, k_blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (torch.einsum("nbhd,hdr->hrnb", k_blocks.float(), self.bases[layer]),)
 
-    def scores(self, layer: int, q: torch.Tensor, hosted: Sequence[tuple[torch.Tensor, ...]], per_head: bool) -> list[torch.Tensor]:
-        return [lowrank_scores(row, self.bases[layer], keys, per_head) for row, (keys,) in zip(q, hosted)]
+    def scores(
+        self, layer: int, q: torch.Tensor, summaries: Sequence[torch.Tensor], table: torch.Tensor, valid: torch.Tensor, per_head: bool
+    ) -> torch.Tensor:
+        (keys,) = summaries
+        return lowrank_scores(q, self.bases[layer], keys, table, valid, per_head)
 
 
 Scorer = QuestScorer | LowRankScorer
 BLOCKS = -1  # in a scorer's summary shapes: the dimension that counts host blocks
 SCORERS = ("lowrank", "quest")
+FIRST_SLOTS = 16  # a pool's first size: a padded slot table always names a slot that exists
 
 
-class BlockSummaries:
-    """Per layer and host block of one request: what its scorer selects by, kept on the device so
+class SummaryPool:
+    """Every offloaded request's key summaries on this worker, one tensor per summary part
+    ([layers, ...], a slot where the scorer's shapes say BLOCKS), in the KV cache's dtype: a
+    request holds one slot per host block, and a step's selection reads all its rows' summaries
+    through one slot table, so a layer scores the whole batch in one pass. Kept on the device, so
     selection never reads host keys."""
 
-    def __init__(self, num_layers: int, scorer: Scorer, block_size: int, device: torch.device):
+    def __init__(self, num_layers: int, scorer: Scorer, block_size: int, dtype: torch.dtype, device: torch.device):
         self.scorer = scorer
         shapes = scorer.shapes(block_size)
-        self.dims = [1 + shape.index(BLOCKS) for shape in shapes]  # after the layer dimension
-        self.parts = [torch.empty((num_layers, *(0 if d == BLOCKS else d for d in shape)), device=device) for shape in shapes]
+        self.dims = [shape.index(BLOCKS) for shape in shapes]  # within a layer's part
+        self.parts = [torch.empty((num_layers, *(0 if d == BLOCKS else d for d in shape)), dtype=dtype, device=device) for shape in shapes]
+        self.free: list[int] = []  # taken from the end
+        self._grow(FIRST_SLOTS)
 
-    def reserve(self, count: int) -> None:
-        have = self.parts[0].shape[self.dims[0]]
-        if count <= have:
-            return
+    @property
+    def capacity(self) -> int:
+        return self.parts[0].shape[1 + self.dims[0]]
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` free slots (grown by doubling when short: between steps, never inside one)."""
+        if count <= 0:
+            return []
+        if count > len(self.free):
+            self._grow(max(count - len(self.free), self.capacity))
+        taken = self.free[-count:][::-1]
+        del self.free[-count:]
+        return taken
+
+    def release(self, slots: Sequence[int]) -> None:
+        self.free.extend(slots)
+
+    def _grow(self, extra: int) -> None:
+        have = self.capacity
         for i, (old, dim) in enumerate(zip(self.parts, self.dims)):
             grown = list(old.shape)
-            grown[dim] = max(count, 2 * have, 16)
-            self.parts[i] = torch.empty(grown, device=old.device)
-            self.parts[i].narrow(dim, 0, have).copy_(old)
+            grown[1 + dim] = have + extra
+            self.parts[i] = old.new_empty(grown)
+            self.parts[i].narrow(1 + dim, 0, have).copy_(old)
+        self.free = list(range(have + extra - 1, have - 1, -1)) + self.free
 
-    def write(self, layer: int, first: int, k_blocks: torch.Tensor) -> None:
-        """k_blocks: [n, block_size, kv_heads, dim] for summary slots first .. first+n-1."""
+    def write(self, layer: int, slots: torch.Tensor, k_blocks: torch.Tensor) -> None:
+        """k_blocks: [n, block_size, kv_heads, dim] summarized into `slots` [n] (on the device)."""
         for part, dim, summary in zip(self.parts, self.dims, self.scorer.summarize(layer, k_blocks)):
-            part[layer].narrow(dim - 1, first, k_blocks.shape[0]).copy_(summary)
+            part[layer].index_copy_(dim, slots, summary.to(part.dtype))
 
-    def hosted(self, layer: int, count: int) -> tuple[torch.Tensor, ...]:
-        """The summaries of the layer's first `count` host blocks."""
-        return tuple(part[layer].narrow(dim - 1, 0, count) for part, dim in zip(self.parts, self.dims))
+    def at(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Every slot's summaries at `layer`."""
+        return tuple(part[layer] for part in self.parts)
+
+    def of(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The summaries of `slots` at `layer`, as the scorer's summarize gives them."""
+        return tuple(part[layer].index_select(dim, slots) for part, dim in zip(self.parts, self.dims))
 
 
 def select_blocks(
-    scorer: Scorer, layer: int, q: torch.Tensor, summaries: Sequence[BlockSummaries], counts: Sequence[int], budget: int, per_head: bool
+    scorer: Scorer, layer: int, q: torch.Tensor, pool: SummaryPool, table: torch.Tensor, counts: torch.Tensor, budget: int, per_head: bool
 ) -> torch.Tensor:
-    """For each decode row, the top-`budget` of its first `counts[row]` host blocks by the
-    scorer's estimate for its query at `layer`: one set for all heads when not `per_head`
-    (SoloHead), else one per kv head. q: [rows, q_heads, dim]. Returns host block indices
-    [rows, groups (1 or kv_heads), budget], highest score first (recalls go in that order, so a
-    deadline cuts the least promising blocks); a row with no more host blocks than the budget takes
-    them all, in order, padded with -1. The rows' scores (their block counts differ) go into one
-    padded matrix: one top-k for the whole batch."""
-    over = [r for r, n in enumerate(counts) if n > budget]
-    if over and len(over) == len(counts):  # the usual case in decode: no row to pad
-        return _top(scorer, layer, q, summaries, counts, budget, per_head)
-    # the rows' indices and counts from the host in one copy: a list indexing a device tensor would be a sync
-    over_at, counts_at = to_device([torch.tensor(over, dtype=torch.long), torch.tensor(counts, dtype=torch.long)], q.device)
-    chosen = torch.arange(budget, device=q.device).repeat(len(counts), scorer.kv_heads if per_head else 1, 1)
-    chosen.masked_fill_(chosen >= counts_at[:, None, None], -1)
-    if over:
-        chosen[over_at] = _top(scorer, layer, q[over_at], [summaries[r] for r in over], [counts[r] for r in over], budget, per_head)
-    return chosen
-
-
-def _top(
-    scorer: Scorer, layer: int, q: torch.Tensor, summaries: Sequence[BlockSummaries], counts: Sequence[int], budget: int, per_head: bool
-) -> torch.Tensor:
-    """select_blocks of rows that each have more than `budget` host blocks."""
-    rows = scorer.scores(layer, q, [s.hosted(layer, n) for s, n in zip(summaries, counts)], per_head)
-    scores = torch.full((len(counts), scorer.kv_heads if per_head else 1, max(counts)), float("-inf"), device=q.device)
-    for i, (count, row) in enumerate(zip(counts, rows)):
-        scores[i, :, :count] = row
-    return scores.topk(budget, dim=-1).indices
+    """For each decode row, the top-`budget` of its `counts[row]` host blocks by the scorer's
+    estimate for its query at `layer`: one set for all heads when not `per_head` (SoloHead), else
+    one per kv head. q: [rows, q_heads, dim]; table: [rows, width >= budget] each row's summary
+    slots of its host blocks in order (padded with any slot); counts: [rows], on the device.
+    Returns host block indices [rows, groups (1 or kv_heads), budget], highest score first
+    (recalls go in that order, so a deadline cuts the least promising blocks); a row with no more
+    host blocks than the budget takes them all, in order, padded with -1. One scoring pass and one
+    top-k for the whole batch, whatever its rows' lengths: no per-row work."""
+    position = torch.arange(table.shape[1], device=table.device)
+    valid = position < counts[:, None]
+    scores = scorer.scores(layer, q, pool.at(layer), table, valid, per_head)
+    top = scores.masked_fill_(~valid[:, None, :], float("-inf")).topk(budget, dim=-1).indices
+    every = position[:budget].expand_as(top).masked_fill(~valid[:, None, :budget], -1)
+    return torch.where((counts > budget)[:, None, None], top, every)
 
 
 class AttentionMass:

@@ -48,23 +48,27 @@ def test_quest_bound_holds_for_every_key():
     k[2] = k[2, :1]  # block 2: one key repeated, so min == max == that key
     q = _randn(HQ, D, seed=12)
     kmin, kmax = block_minmax_ref(k)
-    scores = quest_scores_ref(quest_weights(q, H), kmin, kmax, per_head=True)
+    every = torch.arange(6, device=DEVICE)[None]
+    (scores,) = quest_scores_ref(quest_weights(q[None], H), kmin, kmax, every, per_head=True)
     dots = torch.einsum("ibhd,hd->hib", k, q.view(H, HQ // H, D).sum(dim=1))  # [kv_heads, n, tokens]
     assert (dots.amax(dim=2) <= scores + 1e-4).all()
     torch.testing.assert_close(scores[:, 2], dots[:, 2, 0], rtol=1e-5, atol=1e-4)
-    solo = quest_scores_ref(quest_weights(q, H), kmin, kmax, per_head=False)  # SoloHead: summed over the kv heads
+    (solo,) = quest_scores_ref(quest_weights(q[None], H), kmin, kmax, every, per_head=False)  # SoloHead: summed over the kv heads
     torch.testing.assert_close(solo, scores.sum(dim=0, keepdim=True), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quest_scores(dtype):
-    weights = quest_weights(_randn(HQ, D, dtype=dtype, seed=2), H)
-    kmin, kmax = block_minmax_ref(_randn(70, B, H, D, dtype=dtype, seed=3))  # 70 blocks: two tiles, the second partial
+    """Three rows of 70 blocks (two tiles, the second partial), each naming its own slots of one pool of summaries in the cache's dtype."""
+    weights = quest_weights(_randn(3, HQ, D, dtype=dtype, seed=2), H)
+    kmin, kmax = (s.to(dtype) for s in block_minmax_ref(_randn(100, B, H, D, dtype=dtype, seed=3)))
+    generator = torch.Generator().manual_seed(4)
+    table = torch.stack([torch.randperm(100, generator=generator)[:70] for _ in range(3)]).to(DEVICE)
     for per_head, groups in ((True, H), (False, 1)):
-        ours, ref = quest_scores_triton(weights, kmin, kmax, per_head), quest_scores_ref(weights, kmin, kmax, per_head)
-        assert ours.shape == (groups, 70)
+        ours, ref = quest_scores_triton(weights, kmin, kmax, table, per_head), quest_scores_ref(weights, kmin, kmax, table, per_head)
+        assert ours.shape == (3, groups, 70)
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-3)
-        assert torch.equal(ours.topk(8, dim=1).indices.sort().values, ref.topk(8, dim=1).indices.sort().values)
+        assert torch.equal(ours.topk(8, dim=2).indices.sort().values, ref.topk(8, dim=2).indices.sort().values)
 
 
 def _decode_case(dtype: torch.dtype, per_head: bool):
@@ -231,8 +235,8 @@ def test_dispatchers_run_the_reference_on_cpu(monkeypatch):
     k = _randn(4, B, H, D)
     kmin, kmax = block_minmax(k)
     assert torch.equal(kmax, k.amax(dim=1))
-    weights = quest_weights(_randn(HQ, D), H)
-    torch.testing.assert_close(quest_scores(weights, kmin, kmax, True), quest_scores_ref(weights, kmin, kmax, True))
+    weights, every = quest_weights(_randn(1, HQ, D), H), torch.arange(4)[None]
+    torch.testing.assert_close(quest_scores(weights, kmin, kmax, every, True), quest_scores_ref(weights, kmin, kmax, every, True))
     units, index, (k_cache, v_cache), dst = _recall_case(torch.float32)
     recall(units, index, k_cache, v_cache, dst)
     assert torch.equal(k_cache.view(-1, B, H, D)[3], units[5, 0].transpose(0, 1))
@@ -245,7 +249,7 @@ def test_shape_errors_are_clear():
         cache = _randn(H, 4 * B, D).transpose(0, 1)
         recall_triton(_randn(2, 2, H, B, D), torch.tensor([0]), cache, cache, torch.tensor([0]))
     with pytest.raises(ValueError, match="quest scores"):
-        quest_scores_ref(quest_weights(_randn(HQ, 32), H), _randn(3, H, D), _randn(3, H, D), per_head=True)
+        quest_scores_ref(quest_weights(_randn(1, HQ, 32), H), _randn(3, H, D), _randn(3, H, D), torch.arange(3)[None], per_head=True)
     with pytest.raises(ValueError, match="quest scores"):
         quest_weights(_randn(HQ, D), 4)  # 9 query heads do not split into 4 groups
     with pytest.raises(ValueError, match="key blocks"):

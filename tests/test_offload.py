@@ -17,14 +17,14 @@ from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_check import TOKENIZER_ENV, geometry_dir, materialized, random_prompts
 from pulseinfer.gpu_worker import forward
 from pulseinfer.gpu_worker.batch import pad_tables
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.forward import Cohort
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.gpu_worker.offload.hot import HotBuffers
 from pulseinfer.gpu_worker.offload.recall import HostCopier
 from pulseinfer.gpu_worker.offload.selection import by_rank
-from pulseinfer.gpu_worker.runner import WorkerConfig
-from pulseinfer.gpu_worker.sparse import BlockSummaries, LowRankScorer, QuestScorer, select_blocks
+from pulseinfer.gpu_worker.sparse import LowRankScorer, QuestScorer, SummaryPool, select_blocks
 from pulseinfer.kernels.scoring import lowrank_scores
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.request import SamplingParams
@@ -263,7 +263,7 @@ def test_hosted_blocks_are_summarized_from_the_keys_the_host_pool_holds(model, c
         for layer in (0, 17, 29):
             keys = manager.view.read(torch.tensor(seq.host_blocks), layer)[:, 0].transpose(1, 2)  # [n, block, kv_heads, dim]
             expected = manager.scorer.summarize(layer, keys)
-            for got, want in zip(seq.summaries.hosted(layer, len(seq.host_blocks)), expected):
+            for got, want in zip(manager.summaries.of(layer, torch.tensor(seq.summary_slots)), expected):
                 torch.testing.assert_close(got, want)
 
 
@@ -314,11 +314,13 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     kv_heads, group, dim, blocks, block = 3, 3, 8, 12, 16
     keys = torch.randn(blocks, block, kv_heads, dim)
     scorer = QuestScorer(kv_heads, dim)
-    summaries = BlockSummaries(1, scorer, block, torch.device("cpu"))
-    summaries.reserve(blocks)
-    summaries.write(0, 0, keys)
+    pool, table = _pool_of(scorer, keys)
     q = torch.randn(kv_heads * group, dim)
-    ((picked,),) = select_blocks(scorer, 0, q[None], [summaries], [blocks], 4, per_head=False).tolist()
+
+    def select(count: int, per_head: bool) -> list:
+        return select_blocks(scorer, 0, q[None], pool, table, torch.tensor([count]), 4, per_head).tolist()
+
+    ((picked,),) = select(blocks, per_head=False)
     grouped = q.view(kv_heads, group, dim)
     bound = [
         sum(torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for h in range(kv_heads))
@@ -328,8 +330,8 @@ def test_solohead_picks_the_highest_quest_bound_over_all_query_heads():
     for b in range(blocks):  # an upper bound of every token's q.k summed over the heads
         exact = torch.einsum("hgd,thd->t", grouped, keys[b]).max().item()
         assert bound[b] >= exact - 1e-4
-    assert select_blocks(scorer, 0, q[None], [summaries], [3], 4, per_head=False).tolist() == [[[0, 1, 2, -1]]]  # all, padded
-    (per_head,) = select_blocks(scorer, 0, q[None], [summaries], [blocks], 4, per_head=True).tolist()
+    assert select(3, per_head=False) == [[[0, 1, 2, -1]]]  # all, padded
+    (per_head,) = select(blocks, per_head=True)
     for h, chosen in enumerate(per_head):  # head-wise: each kv head's own top 4 by its group's bound
         head_bound = [
             torch.maximum(grouped[h] * keys[b, :, h].amax(0), grouped[h] * keys[b, :, h].amin(0)).sum().item() for b in range(blocks)
@@ -350,32 +352,66 @@ def test_lowrank_scores_are_each_blocks_attention_share_when_the_rank_is_full():
     (projected,) = scorer.summarize(0, keys)
     logits = torch.einsum("hgd,nbhd->hgnb", q.view(kv_heads, group, dim), keys) / dim**0.5
     shares = torch.softmax(logits.flatten(2), dim=-1).view(kv_heads, group, blocks, block).sum(dim=-1)  # [kv_heads, group, n]
-    (solo,) = scorer.scores(0, q[None], [(projected,)], per_head=False)
+    every = torch.arange(blocks)[None]
+    valid = torch.ones_like(every, dtype=torch.bool)
+    (solo,) = scorer.scores(0, q[None], (projected,), every, valid, per_head=False)
     torch.testing.assert_close(solo, shares.sum(dim=(0, 1))[None])
-    (per_head,) = scorer.scores(0, q[None], [(projected,)], per_head=True)
+    (per_head,) = scorer.scores(0, q[None], (projected,), every, valid, per_head=True)
     torch.testing.assert_close(per_head, shares.sum(dim=1))
     with pytest.raises(ValueError, match="low-rank scores"):
-        lowrank_scores(q[:, :4], bases[0], projected, per_head=False)
+        lowrank_scores(q[None, :, :4], bases[0], projected, every, valid, per_head=False)
+
+
+def _pool_of(scorer, keys: torch.Tensor) -> tuple[SummaryPool, torch.Tensor]:
+    """A summary pool holding the blocks `keys` [n, block, kv_heads, dim], in shuffled slots, and the table [1, n] naming them in order."""
+    pool = SummaryPool(1, scorer, keys.shape[1], torch.float32, torch.device("cpu"))
+    pool.allocate(3)  # another request's slots
+    slots = torch.tensor(pool.allocate(keys.shape[0]))[torch.randperm(keys.shape[0])]
+    pool.write(0, slots, keys)
+    return pool, slots[None]
 
 
 def test_a_batch_selects_what_each_row_selects_alone():
-    """Rows of different lengths share one padded top-k: short rows keep all their blocks, the
-    padding never gets picked, and each row gets what it would get on its own."""
+    """Rows of different lengths, their summaries anywhere in the pool, share one scoring pass and
+    one padded top-k: short rows keep all their blocks, the padding never gets picked, and each row
+    gets what it would get on its own."""
     torch.manual_seed(1)
     kv_heads, dim, budget = 3, 8, 4
     q = torch.randn(4, 3 * kv_heads, dim)
     counts = [12, 3, 5, 12]
     bases = torch.linalg.qr(torch.randn(1, kv_heads, dim, dim)).Q[..., :4]  # orthonormal rank-4 bases
     for scorer in (QuestScorer(kv_heads, dim), LowRankScorer(bases)):
-        summaries = BlockSummaries(1, scorer, 16, torch.device("cpu"))
-        summaries.reserve(12)
-        summaries.write(0, 0, torch.randn(12, 16, kv_heads, dim))
+        pool = SummaryPool(1, scorer, 16, torch.float32, torch.device("cpu"))
+        rows = [torch.tensor(pool.allocate(n)) for n in counts]  # a pool grown past its first size
+        for slots in rows:
+            pool.write(0, slots, torch.randn(len(slots), 16, kv_heads, dim))
+        width = max(counts)
+        table = torch.stack([torch.cat((slots, slots.new_zeros(width - len(slots)))) for slots in rows])
         for per_head in (False, True):
-            batch = select_blocks(scorer, 0, q, [summaries] * len(counts), counts, budget, per_head)
-            alone = [select_blocks(scorer, 0, q[r : r + 1], [summaries], [n], budget, per_head) for r, n in enumerate(counts)]
+            batch = select_blocks(scorer, 0, q, pool, table, torch.tensor(counts), budget, per_head)
+            alone = [
+                select_blocks(scorer, 0, q[r : r + 1], pool, slots[None], torch.tensor([n]), budget, per_head)
+                if n >= budget
+                else select_blocks(scorer, 0, q[r : r + 1], pool, table[r : r + 1], torch.tensor([n]), budget, per_head)
+                for r, (n, slots) in enumerate(zip(counts, rows))
+            ]
             assert torch.equal(batch, torch.cat(alone))
             assert batch[1].tolist() == [[0, 1, 2, -1]] * batch.shape[1] and 0 <= batch[2].min() and batch[2].max() < 5
-        assert select_blocks(scorer, 0, q[:0], [], [], budget, False).shape == (0, 1, budget)
+        assert select_blocks(scorer, 0, q[:0], pool, table[:0], torch.tensor(counts[:0]), budget, False).shape == (0, 1, budget)
+
+
+def test_a_summary_pool_reuses_released_slots_and_keeps_its_summaries_when_it_grows():
+    scorer = QuestScorer(2, 4)
+    pool = SummaryPool(2, scorer, 16, torch.bfloat16, torch.device("cpu"))
+    keys = torch.randn(5, 16, 2, 4)
+    first = pool.allocate(5)
+    pool.write(1, torch.tensor(first), keys)
+    pool.release(first[1:3])
+    assert sorted(pool.allocate(2)) == sorted(first[1:3])
+    more = pool.allocate(40)  # past the first size: the pool grows
+    assert pool.capacity >= 45 and not set(more) & set(first) and pool.parts[0].dtype == torch.bfloat16
+    for got, want in zip(pool.of(1, torch.tensor(first)), scorer.summarize(1, keys)):
+        torch.testing.assert_close(got, want.to(torch.bfloat16))
 
 
 def test_hot_buffer_recalls_only_misses_and_evicts_least_recently_used():

@@ -7,7 +7,6 @@ import torch
 
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.config import OffloadGeometry
-from pulseinfer.gpu_worker.sparse import BlockSummaries
 from pulseinfer.kernels.attention import GatherWorkspace
 from pulseinfer.kv_store.view import PoolView
 
@@ -16,7 +15,7 @@ class OffloadedSeq:
     """One offloaded request's KV on this worker: where each logical block lives (the hot buffer's
     blocks: row `hot_row` of the worker's HotBuffers)."""
 
-    def __init__(self, seq_id: str, footprint: tuple[int, ...], geometry: OffloadGeometry, summaries: BlockSummaries, hot_row: int):
+    def __init__(self, seq_id: str, footprint: tuple[int, ...], geometry: OffloadGeometry, hot_row: int):
         g = geometry
         self.seq_id = seq_id
         self.footprint = footprint
@@ -25,7 +24,7 @@ class OffloadedSeq:
         self.ring = footprint[g.sink_blocks : g.sink_blocks + g.ring_blocks]
         self.length = 0  # tokens whose KV is stored
         self.host_blocks: list[int] = []  # host block of logical block sink_blocks + i
-        self.summaries = summaries
+        self.summary_slots: list[int] = []  # the worker's SummaryPool slot of each host block
         self.hot_row = hot_row
         # (start, K, V [layers, tokens, kv_heads, dim]): the tokens before `start` of its block, kept apart
         # for a chunk from `start` that overwrites their ring slot (StepWrites)

@@ -14,13 +14,14 @@ from pulseinfer.gpu_worker.batch import ForwardBatch
 from pulseinfer.gpu_worker.faults import FaultPlan
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
+from pulseinfer.gpu_worker.offload.context import StepContext
 from pulseinfer.gpu_worker.offload.counters import RecallCounters
 from pulseinfer.gpu_worker.offload.hot import HotBuffers
 from pulseinfer.gpu_worker.offload.layout import OffloadedSeq
 from pulseinfer.gpu_worker.offload.prefix import copy_sink, import_prefix
 from pulseinfer.gpu_worker.offload.recall import HostCopier, RecallQueue
-from pulseinfer.gpu_worker.offload.step import OffloadStep, StepContext
-from pulseinfer.gpu_worker.sparse import AttentionMass, BlockSummaries, Scorer
+from pulseinfer.gpu_worker.offload.step import OffloadStep
+from pulseinfer.gpu_worker.sparse import AttentionMass, Scorer, SummaryPool
 from pulseinfer.kernels.attention import GatherWorkspace
 from pulseinfer.kv_store.allocator import PoolExhausted
 from pulseinfer.kv_store.client import HostPoolLost, KVStoreUnavailable
@@ -59,6 +60,7 @@ class OffloadManager:
         self.seqs: dict[str, OffloadedSeq] = {}
         num_layers = cache.shape.num_layers
         self.hot = HotBuffers(num_layers, scorer.kv_heads if per_head else 1, self.geometry, cache.k.device)
+        self.summaries = SummaryPool(num_layers, scorer, self.geometry.block_size, cache.k.dtype, cache.k.device)
         self.counters = RecallCounters(num_layers)
 
     def close(self) -> None:
@@ -88,8 +90,12 @@ class OffloadManager:
 
     def _drop_seqs(self) -> None:
         for seq in self.seqs.values():
-            self.hot.remove(seq.hot_row)
+            self._forget(seq)
         self.seqs.clear()
+
+    def _forget(self, seq: OffloadedSeq) -> None:
+        self.hot.remove(seq.hot_row)
+        self.summaries.release(seq.summary_slots)
 
     def release(self, seq_ids: tuple[str, ...] | list[str]) -> None:
         """Frees the requests' states and host blocks (also of one that never reached this worker:
@@ -97,7 +103,7 @@ class OffloadManager:
         for seq_id in seq_ids:
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
-                self.hot.remove(seq.hot_row)
+                self._forget(seq)
             try:
                 self.host.allocator.release(seq_id)
             except (HostPoolLost, KVStoreUnavailable):
@@ -156,17 +162,16 @@ class OffloadManager:
                 raise ValueError(f"request {seq_id}: its offloaded KV is gone from this worker (the kv_store restarted)")
             if len(footprint) != g.device_blocks:
                 raise ValueError(f"request {seq_id}: {len(footprint)} device blocks for an offloaded request, expected {g.device_blocks}")
-            summaries = BlockSummaries(self.cache.shape.num_layers, self.scorer, g.block_size, self.cache.k.device)
-            seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, summaries, self.hot.add(tuple(footprint)))
+            seq = self.seqs[seq_id] = OffloadedSeq(seq_id, tuple(footprint), g, self.hot.add(tuple(footprint)))
             if chunk.host_prefix:
-                import_prefix(seq, list(chunk.host_prefix), self.cache, self.view)
+                import_prefix(seq, list(chunk.host_prefix), self.cache, self.view, self.summaries)
         if seq.length != start or seq.footprint != tuple(footprint):
             raise ValueError(f"request {seq_id}: the plan (position {start}) disagrees with the worker's state ({seq.length} tokens)")
         hosted = max(0, end // g.block_size - g.sink_blocks)
         need = hosted - len(seq.host_blocks)
         if need > 0:
             seq.host_blocks += self._allocate(seq_id, need)
-            seq.summaries.reserve(hosted)
+            seq.summary_slots += self.summaries.allocate(need)
 
     def _allocate(self, seq_id: str, count: int) -> list[int]:
         try:
@@ -213,7 +218,17 @@ class OffloadManager:
         if not chunks:
             return None
         ctx = StepContext(
-            self.cache, self.view, self.geometry, self.policy, self.scorer, self.hot, self.counters, self.mass, self.workspace, self.faults
+            self.cache,
+            self.view,
+            self.geometry,
+            self.policy,
+            self.scorer,
+            self.summaries,
+            self.hot,
+            self.counters,
+            self.mass,
+            self.workspace,
+            self.faults,
         )
         copier = HostCopier(self.view, self.remote, self.cache, self.policy.per_head, self.copies, self.faults)
         queue = RecallQueue(self.io, copier, self.counters, self.policy)

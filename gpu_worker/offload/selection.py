@@ -10,10 +10,10 @@ import torch
 
 from pulseinfer.common.syncs import to_device, to_host
 from pulseinfer.gpu_worker.offload.config import OffloadGeometry
-from pulseinfer.gpu_worker.offload.hot import HotBuffers
+from pulseinfer.gpu_worker.offload.context import StepContext
 from pulseinfer.gpu_worker.offload.layout import OffloadedSeq
 from pulseinfer.gpu_worker.offload.recall import Recall
-from pulseinfer.gpu_worker.sparse import Scorer, select_blocks
+from pulseinfer.gpu_worker.sparse import select_blocks
 
 NO_BLOCK = torch.iinfo(torch.long).max  # sorts after every logical block
 
@@ -43,17 +43,23 @@ class RowSelector:
     """Selects for offloaded decode rows `seqs` (at their new lengths) and builds their tables.
     `index`: their rows among the batch's decode rows."""
 
-    def __init__(
-        self, seqs: list[OffloadedSeq], index: torch.Tensor, geometry: OffloadGeometry, scorer: Scorer, hot: HotBuffers, per_head: bool
-    ):
-        self.seqs, self.index, self.scorer, self.hot, self.per_head = seqs, index, scorer, hot, per_head
-        self.geometry = g = geometry
-        # what each row selects from, at every layer of the step: its host blocks before the window
-        self.host_counts = [g.window_start(seq.length) - g.sink_blocks for seq in seqs]
-        self.summaries = [seq.summaries for seq in seqs]
+    def __init__(self, seqs: list[OffloadedSeq], index: torch.Tensor, ctx: StepContext):
+        self.seqs, self.index, self.scorer, self.summaries, self.hot = seqs, index, ctx.scorer, ctx.summaries, ctx.hot
+        self.per_head = ctx.policy.per_head
+        self.geometry = g = ctx.geometry
         hot_rows = torch.tensor([s.hot_row for s in seqs], dtype=torch.long)
         frame, self.resident_counts = self._frame(seqs, g)
-        self.hot_rows, *self.frame = to_device([hot_rows, *frame], index.device)
+        self.hot_rows, *self.frame, self.slots, self.host_counts = to_device([hot_rows, *frame, *self._slots(seqs, g)], index.device)
+
+    @staticmethod
+    def _slots(seqs: list[OffloadedSeq], g: OffloadGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each row selects from, at every layer of the step: the summary slots of its host blocks
+        before the window [rows, width] (padded with slot 0; at least as wide as the hot buffer, the
+        widest selection), and how many there are."""
+        counts = [g.window_start(seq.length) - g.sink_blocks for seq in seqs]
+        width = max([g.hot_blocks, *counts])
+        table = [seq.summary_slots[:n] + [0] * (width - n) for seq, n in zip(seqs, counts)]
+        return torch.tensor(table, dtype=torch.long).view(len(seqs), width), torch.tensor(counts, dtype=torch.long)
 
     @staticmethod
     def _frame(seqs: list[OffloadedSeq], g: OffloadGeometry) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -80,7 +86,7 @@ class RowSelector:
         units in flight and the suspended rows are known by them. Removing it needs a recall kernel
         that takes the selection's device-side misses (and each request's host blocks on the
         device) and that bookkeeping on the device: a redesign, not a fix."""
-        chosen = select_blocks(self.scorer, layer, q[self.index], self.summaries, self.host_counts, budget, self.per_head)
+        chosen = select_blocks(self.scorer, layer, q[self.index], self.summaries, self.slots, self.host_counts, budget, self.per_head)
         devices, missed = self.hot.update(self.hot_rows, layer, chosen)
         host, host_devices, host_missed = to_host([chosen, devices, missed])
         return Selection(chosen, devices, host), self._misses(host, host_devices, host_missed)

@@ -6,41 +6,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from pulseinfer.common.syncs import to_device
 from pulseinfer.gpu_worker.batch import DecodePhase, ForwardBatch, PrefillSpan
-from pulseinfer.gpu_worker.faults import FaultPlan
-from pulseinfer.gpu_worker.kv_cache import PagedKVCache
-from pulseinfer.gpu_worker.offload.config import OffloadGeometry, RecallPolicy
-from pulseinfer.gpu_worker.offload.counters import RecallCounters
-from pulseinfer.gpu_worker.offload.hot import HotBuffers
+from pulseinfer.gpu_worker.offload.context import StepContext
 from pulseinfer.gpu_worker.offload.layout import OffloadedSeq, context_kv
 from pulseinfer.gpu_worker.offload.recall import Recall, RecallQueue
 from pulseinfer.gpu_worker.offload.selection import RowSelector, Selection
 from pulseinfer.gpu_worker.offload.writes import StepWrites
-from pulseinfer.gpu_worker.sparse import AttentionMass, Scorer
 from pulseinfer.kernels.attention import GatherWorkspace
-from pulseinfer.kv_store.view import PoolView
 from pulseinfer.scheduler.plan import Chunk
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """What a step is handed of the worker's offloading: fixed for the step."""
-
-    cache: PagedKVCache
-    view: PoolView
-    geometry: OffloadGeometry
-    policy: RecallPolicy
-    scorer: Scorer
-    hot: HotBuffers
-    counters: RecallCounters
-    mass: AttentionMass | None  # evals: the share of dense attention mass the selection keeps
-    workspace: GatherWorkspace  # the attention-mass measurement's context gathers
-    faults: FaultPlan  # the tests' injected faults (empty in service)
 
 
 class OffloadStep:
@@ -68,7 +45,7 @@ class OffloadStep:
                 seq.length = chunk.end_pos  # layer by layer, the writes make it true before attention reads it
             ctx.counters.written_blocks += self.writes.host_blocks
         decode_seqs = [self.by_id[seq_id] for seq_id in self.decode_rows]  # in row order
-        self.selector = RowSelector(decode_seqs, decode_index, ctx.geometry, ctx.scorer, ctx.hot, ctx.policy.per_head)
+        self.selector = RowSelector(decode_seqs, decode_index, ctx)
 
     def cohort(self, batch: ForwardBatch) -> OffloadStep | None:
         """This step over a cohort's batch (its rows, resident ones aside); None if it has no offloaded chunk."""
@@ -82,7 +59,7 @@ class OffloadStep:
     # ------------------------------------------------------------ per layer
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.writes.store(layer, self.ctx.cache, self.ctx.view, k, v)
+        self.writes.store(layer, self.ctx.cache, self.ctx.view, self.ctx.summaries, k, v)
 
     @property
     def prefetching(self) -> bool:

@@ -10,6 +10,7 @@ from pulseinfer.gpu_worker.batch import ForwardBatch
 from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.gpu_worker.offload.config import OffloadGeometry
 from pulseinfer.gpu_worker.offload.layout import OffloadedSeq
+from pulseinfer.gpu_worker.sparse import SummaryPool
 from pulseinfer.kv_store.view import PoolView
 from pulseinfer.scheduler.plan import Chunk
 
@@ -23,11 +24,10 @@ class StepWrites:
         # the sink) are assembled in a buffer, one block per row: any earlier tokens of the chunk's
         # partly filled first block from the cache, the rest from the new tokens
         dev_slots, dev_tokens, prefix_buf, prefix_slots, host_buf, host_tokens = [], [], [], [], [], []
-        host_ids, summary_runs, saved_buf, saved = [], [], [], []
+        host_ids, summary_slots, saved_buf, saved = [], [], [], []
         for seq, chunk in zip(seqs, chunks):
             start, end = chunk.start_pos, chunk.end_pos
             flat = batch.chunk_starts[chunk.seq_id] - start  # the flat token index of context position 0
-            hosted = len(host_ids)
             for j in range(start // B, (end - 1) // B + 1):
                 lo, hi = max(start - j * B, 0), min(end - j * B, B)  # the block's new tokens, as offsets in it
                 tokens = torch.arange(flat + j * B + lo, flat + j * B + hi)
@@ -49,26 +49,25 @@ class StepWrites:
                     host_buf.append(torch.arange(row0 + lo, row0 + B))
                     host_tokens.append(tokens)
                     host_ids.append(seq.host_blocks[j - g.sink_blocks])
-            if len(host_ids) > hosted:  # the chunk's newly full host blocks are consecutive: one summary write
-                summary_runs.append((seq, max(start // B, g.sink_blocks) - g.sink_blocks, hosted, len(host_ids) - hosted))
+                    summary_slots.append(seq.summary_slots[j - g.sink_blocks])
 
         def cat(parts: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
         indices = [cat(parts) for parts in (dev_slots, dev_tokens, prefix_buf, prefix_slots, host_buf, host_tokens, saved_buf)]
-        on_device = to_device(indices, batch.input_ids.device)
-        self.dev_slots, self.dev_tokens, self.prefix_buf, self.prefix_slots, self.host_buf, self.host_tokens, self.saved_buf = on_device
+        on_device = to_device([*indices, torch.tensor(summary_slots, dtype=torch.long)], batch.input_ids.device)
+        self.dev_slots, self.dev_tokens, self.prefix_buf, self.prefix_slots, self.host_buf, self.host_tokens, self.saved_buf, _ = on_device
+        self.summary_slots = on_device[-1]  # of each host block written, in host_ids' order
         # [layers, rows, kv_heads, dim] of K and V: the saved earlier tokens, in saved_buf's rows
         self.saved = tuple(torch.cat(parts, dim=1) for parts in zip(*saved)) if saved else None
         self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
-        self.summary_runs = summary_runs  # (request, first summary slot, first host_ids row, count)
 
     @property
     def host_blocks(self) -> int:
         """Blocks this step writes to the host pool (per layer)."""
         return self.host_ids.numel()
 
-    def store(self, layer: int, cache: PagedKVCache, view: PoolView, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, layer: int, cache: PagedKVCache, view: PoolView, summaries: SummaryPool, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes the chunks' new K/V: sink and window blocks to the device, newly full blocks to the host pool."""
         B, count = self.block_size, self.host_ids.numel()
         k_cache, v_cache = cache.layer(layer)
@@ -85,5 +84,4 @@ class StepWrites:
         if count:
             k_blocks, v_blocks = blocks
             view.write(self.host_ids, layer, k_blocks, v_blocks)
-            for seq, first, row, n in self.summary_runs:
-                seq.summaries.write(layer, first, k_blocks[row : row + n])
+            summaries.write(layer, self.summary_slots, k_blocks)
