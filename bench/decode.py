@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.plan import Chunk, StepPlan
 from pulseinfer.scheduler.request import SamplingParams

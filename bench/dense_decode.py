@@ -16,8 +16,8 @@ import torch
 
 from pulseinfer.common.model.meta import default_model_path
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import load_model
-from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.request import SamplingParams
 

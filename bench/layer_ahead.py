@@ -29,9 +29,9 @@ import zmq
 from pulseinfer.bench.decode import agreement, serve
 from pulseinfer.bench.timing import write_results
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.kv_store.client import KVStoreClient
 from pulseinfer.kv_store.view import PoolView
 from pulseinfer.launcher import start_kv_store

@@ -91,7 +91,7 @@ def _best_s(run: Callable[[], None], repeats: int = 5) -> float:
 def copy_costs(counts: list[int]) -> dict:
     """A worker's demotion and promotion of `counts` blocks, against computing a 512-token chunk."""
     from pulseinfer.engine import Engine, EngineConfig  # the model: only here
-    from pulseinfer.gpu_worker.runner import WorkerConfig
+    from pulseinfer.gpu_worker.config import WorkerConfig
     from pulseinfer.scheduler.batcher import BatcherConfig
     from pulseinfer.scheduler.request import SamplingParams
 
@@ -129,8 +129,8 @@ def window_costs(model: str, prefix_len: int = 2048) -> dict:
     `prefix_len` tokens another request computed, with the prefix cache off and on, and what
     rebuilding one request's rings from the history costs on its own."""
     from pulseinfer.engine import Engine, EngineConfig
+    from pulseinfer.gpu_worker.config import WorkerConfig
     from pulseinfer.gpu_worker.model.loader import load_model
-    from pulseinfer.gpu_worker.runner import WorkerConfig
     from pulseinfer.scheduler.batcher import BatcherConfig
     from pulseinfer.scheduler.request import SamplingParams
 

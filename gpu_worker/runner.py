@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,17 +13,19 @@ from pulseinfer.common.syncs import to_device, to_host
 from pulseinfer.gpu_worker.attention import attention_backend
 from pulseinfer.gpu_worker.attention.window import WindowCache
 from pulseinfer.gpu_worker.batch import ForwardBatch, build_batch
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.faults import FaultPlan
 from pulseinfer.gpu_worker.forward import forward_hidden
 from pulseinfer.gpu_worker.hierarchy import KVHierarchy
 from pulseinfer.gpu_worker.key_basis import calibration_ids, key_bases
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
+from pulseinfer.gpu_worker.memory_plan import device_memory, worker_plan
 from pulseinfer.gpu_worker.model.decoder import Decoder
 from pulseinfer.gpu_worker.model.loader import LoadedModel
-from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
+from pulseinfer.gpu_worker.offload.config import HostTier
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
 from pulseinfer.gpu_worker.sampler import GrammarMasks, advance_grammars, logprobs_of, sample_with_logprobs, score
-from pulseinfer.gpu_worker.sparse import MODES, LowRankScorer, QuestScorer, Scorer
+from pulseinfer.gpu_worker.sparse import LowRankScorer, QuestScorer, Scorer
 from pulseinfer.kv_store.client import KVStoreUnavailable
 from pulseinfer.scheduler.plan import Chunk, Logprobs, RecallStats, SampledToken, StepOutcome, StepPlan
 
@@ -31,55 +33,6 @@ log = logging.getLogger("gpu_worker")
 
 # (logits [S, vocab], the sampled chunks) -> a token each, or an error string that fails that chunk's request
 Pick = Callable[[torch.Tensor, list[Chunk]], Sequence[int | str]]
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    # dense: every request resident, nothing offloaded; pulse: offloaded requests attend one block
-    # selection per (request, layer) (SoloHead); headwise: one selection per kv head (the baseline)
-    mode: str = "pulse"
-    device: str = "cpu"  # cpu | cuda
-    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
-    block_size: int = 16
-    device_kv_tokens: int = 65536  # capacity of the device KV pool (of the full-attention layers)
-    # requests running at once on a model with sliding-window layers: each holds a ring of its
-    # window per sliding layer on the device (the scheduler runs no more)
-    max_running: int = 64
-    # on a model with sliding-window layers: on keeps their KV of every device block beside the paged
-    # cache (sliding / full layers times its size: 5x on Gemma 3), so the prefix cache can rebuild the
-    # rings of a request starting from a cached prefix; off: such a model caches nothing
-    window_history: str = "on"
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.window_history not in ("on", "off"):
-            raise ValueError(f"--window-history must be on or off, got {self.window_history!r}")
-
-    def with_prefix_cache(self, prefix_cache: str) -> WorkerConfig:
-        """This config for a scheduler whose prefix cache is `prefix_cache`: without it, no sliding-window history is kept."""
-        return self if prefix_cache == "on" else replace(self, window_history="off")
-
-    def torch_device(self) -> torch.device:
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda was requested but no CUDA device is available")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        return torch.device(self.device)
-
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device == "cuda" else torch.float32
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.dtype not in dtypes:
-            raise ValueError(f"--dtype must be auto or one of {', '.join(dtypes)}, got {self.dtype!r}")
-        return dtypes[self.dtype]
-
-    def cache_spec(self) -> KVCacheSpec:
-        if not 8 <= self.block_size <= 64:
-            raise ValueError(f"--block-size must be in [8, 64], got {self.block_size}")
-        return KVCacheSpec.for_tokens(self.device_kv_tokens, self.block_size)
 
 
 def _without(plan: StepPlan, failed: dict[str, str]) -> StepPlan:
@@ -140,8 +93,11 @@ class ModelRunner:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         self.model_config = loaded.config
-        self.model = Decoder(loaded.config, loaded.weights, self.device, self.dtype)
         offloading = offloading and host is not None and config.mode != "dense"
+        memory = device_memory(config, self.device)
+        if memory is not None:  # before any allocation: a configuration the device cannot hold is refused whole
+            worker_plan(loaded.config, config, memory, offloading and bool(loaded.config.kv_layers)).check()
+        self.model = Decoder(loaded.config, loaded.weights, self.device, self.dtype)
         shared = offloading and host.recall_engine is not None  # the kv_store's I/O engine recalls into it
         self.cache = PagedKVCache(loaded.config, config.cache_spec(), self.dtype, self.device, shared)
         self.window = self._window_cache(loaded) if loaded.config.sliding_layers else None
@@ -173,7 +129,7 @@ class ModelRunner:
         c, o = self.model_config, self.config.offload
         if o.scorer == "quest":
             return QuestScorer(c.num_kv_heads, c.head_dim)
-        rank = o.key_rank or c.head_dim // 4
+        rank = o.rank(c.head_dim)
         fitted = ("key_bases", o.calibration_tokens, rank, self.dtype, self.device)
         if fitted not in loaded.fitted:
             started = time.perf_counter()

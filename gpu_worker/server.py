@@ -20,10 +20,11 @@ from pulseinfer.common.grammar import grammars_built_aside
 from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.common.model.tokenizer import Tokenizer
 from pulseinfer.common.peer import PeerLoss
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
 from pulseinfer.gpu_worker.requests import RequestTable, Staged
-from pulseinfer.gpu_worker.runner import Launched, WorkerConfig, poisons_device
+from pulseinfer.gpu_worker.runner import Launched, poisons_device
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
 from pulseinfer.scheduler.plan import StepOutcome, StepPlan
 from pulseinfer.scheduler.wire import recall_to_proto

@@ -17,8 +17,9 @@ import time
 from collections.abc import Sequence
 
 from pulseinfer.common.model.tokenizer import Tokenizer
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
-from pulseinfer.gpu_worker.runner import Launched, WorkerConfig
+from pulseinfer.gpu_worker.runner import Launched
 from pulseinfer.scheduler.plan import Chunk, RecallStats, SampledToken, SamplingSpec, StepOutcome, StepPlan
 
 # each a single token of the usual BPE vocabularies (with its leading space); the tokenizer decides

@@ -127,6 +127,35 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_parser(sub) -> None:
+    from pulseinfer.gpu_worker.config import WorkerConfig
+    from pulseinfer.gpu_worker.memory_plan import PlanConfig
+
+    p = sub.add_parser(
+        "plan",
+        help="a CUDA worker's device memory, term by term, for a batch of long rows (no weights read); exit 1 if it does not fit",
+    )
+    add_flags(p, PlanConfig)
+    add_flags(p, WorkerConfig, skip=("device", "device_kv_tokens"))  # the pool's flag is PlanConfig's (0: what the batch needs)
+    p.set_defaults(handler=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pulseinfer.common.model.meta import load_model_config
+    from pulseinfer.gpu_worker.config import WorkerConfig
+    from pulseinfer.gpu_worker.memory_plan import PlanConfig, Workload, parse_bytes, plan_memory
+
+    config = from_flags(PlanConfig, args)
+    worker = dataclasses.replace(from_flags(WorkerConfig, args), device="cuda")  # --dtype auto: bfloat16, as on a GPU
+    if not worker.device_memory:
+        raise ValueError("plan needs --device-memory, e.g. 80GB")
+    model = load_model_config(config.model, config.load_format)
+    workload = Workload(config.batch, config.context, config.prefill_chunk)
+    plan = plan_memory(model, worker, workload, parse_bytes(worker.device_memory), worker.mode != "dense")
+    print(plan.table())
+    return 0 if plan.fits else 1
+
+
 def _bench_parser(sub) -> None:
     from pulseinfer.bench import (
         control_plane,
@@ -140,6 +169,7 @@ def _bench_parser(sub) -> None:
         recall_gather,
         selection_scorers,
         serving_overhead,
+        step_cost,
         structured_masks,
     )
     from pulseinfer.bench import serve as serve_bench
@@ -232,6 +262,12 @@ def _bench_parser(sub) -> None:
             "a stream's largest gap between tokens while a 500 KB JSON schema is checked and compiled, against alone (starts its server)",
         ),
         (
+            "step-cost",
+            step_cost,
+            step_cost.StepCostBenchConfig,
+            "how GPU-shaped a decode step is, on the CPU: ops, host syncs and bytes per step of each mode against the bandwidth floor",
+        ),
+        (
             "selection-scorers",
             selection_scorers,
             selection_scorers.ScorerStudyConfig,
@@ -284,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _serve_parser(sub)
     _eval_parser(sub)
+    _plan_parser(sub)
     _bench_parser(sub)
     return parser
 

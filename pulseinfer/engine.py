@@ -15,10 +15,11 @@ import torch
 
 from pulseinfer.common.grammar import GrammarTokenizer, structured_grammar
 from pulseinfer.common.model.tokenizer import TextStream
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.faults import FaultPlan
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 from pulseinfer.gpu_worker.offload.config import HostTier
-from pulseinfer.gpu_worker.runner import ModelRunner, Pick, WorkerConfig
+from pulseinfer.gpu_worker.runner import ModelRunner, Pick
 from pulseinfer.gpu_worker.sparse import check_mode
 from pulseinfer.kv_store.allocator import BlockAllocator
 from pulseinfer.kv_store.prefix_cache import HostBlocks

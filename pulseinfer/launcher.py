@@ -31,7 +31,7 @@ from pulseinfer.common.flags import to_flags
 from pulseinfer.common.proc import PARENT_ENV, setup_logging
 from pulseinfer.common.tls import TlsConfig
 from pulseinfer.gateway.server import GatewayConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.server import WorkerServiceConfig
 from pulseinfer.gpu_worker.sparse import check_mode
 from pulseinfer.kv_store.segments import hold, remove_unheld, sweep

@@ -6,7 +6,7 @@ from conftest import PROMPTS
 from helpers import assert_device_idle
 
 from pulseinfer.engine import Engine, EngineConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.request import SamplingParams
 

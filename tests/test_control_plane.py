@@ -14,9 +14,9 @@ import pytest
 
 from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.gpu_worker.requests import RequestTable
-from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.gpu_worker.server import ServedModel, Worker, WorkerServiceConfig
 from pulseinfer.kv_store.allocator import BlockAllocator
 from pulseinfer.kv_store.prefix_cache import HostBlocks

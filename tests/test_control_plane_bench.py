@@ -14,7 +14,7 @@ from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.gateway.http_api import _sse_line
 from pulseinfer.gateway.metrics import GatewayMetrics
 from pulseinfer.gateway.openai_responses import ResponseShape
-from pulseinfer.gpu_worker.runner import WorkerConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.simulated import SimulatedRunner, simulated_token
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2
 from pulseinfer.scheduler.plan import Chunk, SamplingSpec, StepPlan

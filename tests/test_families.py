@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from pulseinfer.common.model.meta import ModelLoadError, hf_dir_config
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.attention import paged, window
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import load_model
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.kernels.decode_triton import paged_decode_attention_triton
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.request import SamplingParams

@@ -20,9 +20,9 @@ import zmq
 
 from pulseinfer.common.model.meta import load_model_config
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec, PagedKVCache
 from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.kernels.gather_scatter import recall_ref
 from pulseinfer.kv_store.allocator import PoolExhausted
 from pulseinfer.kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall, recall_target

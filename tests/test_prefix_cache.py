@@ -8,8 +8,8 @@ import pytest
 from helpers import assert_device_idle, assert_host_idle
 
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.kv_store.allocator import BlockAllocator, PoolExhausted
 from pulseinfer.kv_store.prefix_cache import NAME_BYTES, ROOT, HostBlocks, chain_hashes
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits

@@ -9,8 +9,9 @@ import torch
 from conftest import PROMPTS
 from helpers import last_logits
 
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import load_model, save_hf_dir
-from pulseinfer.gpu_worker.runner import ModelRunner, WorkerConfig
+from pulseinfer.gpu_worker.runner import ModelRunner
 from pulseinfer.scheduler.request import SamplingParams
 
 

@@ -10,8 +10,8 @@ import pytest
 from pulseinfer.bench.selection_scorers import ScorerStudyConfig, study
 from pulseinfer.engine import EngineConfig
 from pulseinfer.evals import PerplexityConfig, evaluate
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
 
 
 def test_study_gives_the_engines_perplexity(model):

@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving_cluster import ServingCluster
 
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.forward import dense_forward
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.request import SamplingParams

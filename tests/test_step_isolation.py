@@ -15,9 +15,9 @@ from helpers import assert_device_idle, assert_host_idle
 from serving_cluster import ServingCluster
 
 from pulseinfer.engine import Engine, EngineConfig
+from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.faults import ENV, POINTS, FaultPlan
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
-from pulseinfer.gpu_worker.runner import WorkerConfig
 from pulseinfer.scheduler.batcher import BatcherConfig
 from pulseinfer.scheduler.request import SamplingParams
 

@@ -105,6 +105,10 @@ class OffloadConfig:
         if self.recall_deadline_ms is not None and not self.recall_deadline_ms >= 0:
             raise ValueError(f"--recall-deadline-ms must be >= 0, got {self.recall_deadline_ms}")
 
+    def rank(self, head_dim: int) -> int:
+        """The lowrank scorer's rank: --key-rank, else a quarter of the head dim."""
+        return self.key_rank or head_dim // 4
+
     @property
     def recall_deadline_s(self) -> float | None:
         return None if self.recall_deadline_ms is None else self.recall_deadline_ms / 1e3
