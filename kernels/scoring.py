@@ -100,16 +100,84 @@ def quest_scores_triton(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
 
 def compile_cases(geometry: AttentionGeometry, dtype: torch.dtype) -> list[CompileCase]:
     """The compile gate's cases (kernels/compile_cases.py): summaries of a cache of `dtype` (they are
-    stored in the cache's dtype), fp32 weights."""
+    stored in the cache's dtype), fp32 query weights."""
     constexprs = _quest_constexprs(geometry.kv_heads, geometry.head_dim)
     summaries = dict.fromkeys(("kmin_ptr", "kmax_ptr"), pointer(dtype))
     signature = {"w_ptr": "*fp32", **summaries, "table_ptr": "*i64", "out_ptr": "*fp32", "width": "i32"}
-    return [CompileCase("quest_scores", _quest_kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs)]
+    quest = CompileCase("quest_scores", _quest_kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs)
+    constexprs = _lowrank_constexprs(geometry.kv_heads, geometry.group, geometry.head_dim // 4, geometry.block_size)  # the default rank
+    signature = {"q_ptr": "*fp32", "keys_ptr": pointer(dtype), "table_ptr": "*i64", "out_ptr": "*fp32", "width": "i32", "slots": "i32"}
+    lowrank = CompileCase("lowrank_block_lse", _lowrank_lse_kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs)
+    return [quest, lowrank]
 
 
 def quest_scores(weights: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, table: torch.Tensor, per_head: bool) -> torch.Tensor:
     """The kernel on CUDA; the reference elsewhere."""
     return (quest_scores_triton if kmin.is_cuda else quest_scores_ref)(weights, kmin, kmax, table, per_head)
+
+
+# Host blocks per program of the low-rank kernel: its [group, blocks, block_size] logits stay within
+# 4096 fp32 values (GQA groups up to 8 at block size 16 with 32 blocks).
+LOWRANK_TILE_VALUES = 4096
+
+
+# Per (row, kv head, tile of the row's blocks): each query head's log-sum-exp of its projected logits
+# over each block's tokens, the keys read in place through the row's slot table.
+@triton.jit
+def _lowrank_lse_kernel(
+    q_ptr,
+    keys_ptr,
+    table_ptr,
+    out_ptr,
+    width,
+    slots,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    R: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    row, head, tile = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    blocks = tile * TILE + tl.arange(0, TILE)
+    in_row = blocks < width
+    at = tl.load(table_ptr + row * width + blocks, mask=in_row, other=0)
+    t = tl.arange(0, BP)
+    g = tl.arange(0, GP)
+    tokens = in_row[:, None] & (t[None, :] < B)
+    logits = tl.zeros((GP, TILE, BP), dtype=tl.float32)
+    for r in range(R):
+        k = tl.load(keys_ptr + ((head * R + r) * slots + at[:, None]) * B + t[None, :], mask=tokens, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + ((row * H + head) * G + g) * R + r, mask=g < G, other=0.0)
+        logits += q[:, None, None] * k[None, :, :]
+    logits = tl.where((t < B)[None, None, :], logits, float("-inf"))
+    peak = tl.max(logits, axis=2)
+    lse = peak + tl.log(tl.sum(tl.exp(logits - peak[:, :, None]), axis=2))
+    out = ((row * H + head) * G + g[:, None]) * width + blocks[None, :]
+    tl.store(out_ptr + out, lse, mask=(g[:, None] < G) & in_row[None, :])
+
+
+def _lowrank_constexprs(kv_heads: int, group: int, rank: int, block_size: int) -> dict[str, int]:
+    """What the kernel is specialized on: lowrank_block_lse launches with these, compile_cases compiles them."""
+    padded_group, padded_block = triton.next_power_of_2(group), triton.next_power_of_2(block_size)
+    tile = max(1, min(64, LOWRANK_TILE_VALUES // (padded_group * padded_block)))
+    return {"H": kv_heads, "G": group, "GP": padded_group, "R": rank, "B": block_size, "BP": padded_block, "TILE": tile}
+
+
+def lowrank_block_lse(projected: torch.Tensor, keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """projected [rows, kv_heads, group, rank] (fp32 queries on the basis, scaled); keys [kv_heads,
+    rank, slots, block_size]; table [rows, width] -> [rows, kv_heads, group, width]: each query
+    head's log-sum-exp over the tokens of each block the table names. One program per (row, kv
+    head, tile of blocks), no gathered copy of the keys."""
+    rows, heads, group, rank = projected.shape
+    width, slots, block_size = table.shape[1], keys.shape[2], keys.shape[3]
+    out = torch.empty((rows, heads, group, width), dtype=torch.float32, device=keys.device)
+    if rows and width:
+        constexprs = _lowrank_constexprs(heads, group, rank, block_size)
+        grid = (rows, heads, triton.cdiv(width, constexprs["TILE"]))
+        _lowrank_lse_kernel[grid](projected.contiguous(), keys.contiguous(), table.contiguous(), out, width, slots, **constexprs)
+    return out
 
 
 def lowrank_scores(
@@ -131,6 +199,10 @@ def lowrank_scores(
     block_size = keys.shape[3]
     group = q.shape[1] // kv_heads
     projected = torch.matmul(q.float().view(rows, kv_heads, group, dim), basis.float()) / math.sqrt(dim)  # [rows, kv_heads, group, rank]
+    if keys.is_cuda:  # the same shares as a softmax over the blocks' log-sum-exps, the keys read in place
+        lse = lowrank_block_lse(projected, keys, table).masked_fill_(~valid[:, None, None, :], float("-inf"))
+        shares = torch.softmax(lse, dim=3).nan_to_num_(0.0)  # a row of no block: no share
+        return shares.sum(dim=2) if per_head else shares.sum(dim=(1, 2))[:, None]
     gathered = keys.index_select(2, table.flatten()).float().view(kv_heads, rank, rows, width * block_size)
     logits = torch.einsum("rhgk,hkrn->rhgn", projected, gathered).view(rows, kv_heads, group, width, block_size)
     logits.masked_fill_(~valid[:, None, None, :, None], float("-inf"))

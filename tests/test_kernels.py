@@ -17,7 +17,14 @@ pytest.importorskip("triton")
 from pulseinfer.kernels.attention import GatherWorkspace, paged_decode_attention  # noqa: E402
 from pulseinfer.kernels.decode_triton import MAX_SPLITS, MIN_SPLIT, WAVES, num_splits, paged_decode_attention_triton  # noqa: E402
 from pulseinfer.kernels.gather_scatter import recall, recall_ref, recall_triton  # noqa: E402
-from pulseinfer.kernels.scoring import quest_scores, quest_scores_ref, quest_scores_triton, quest_weights  # noqa: E402
+from pulseinfer.kernels.scoring import (  # noqa: E402
+    lowrank_block_lse,
+    lowrank_scores,
+    quest_scores,
+    quest_scores_ref,
+    quest_scores_triton,
+    quest_weights,
+)
 from pulseinfer.kernels.summary import block_minmax, block_minmax_ref, block_minmax_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,6 +76,30 @@ def test_quest_scores(dtype):
         assert ours.shape == (3, groups, 70)
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-3)
         assert torch.equal(ours.topk(8, dim=2).indices.sort().values, ref.topk(8, dim=2).indices.sort().values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lowrank_block_lse(dtype):
+    """Three rows of 21 blocks (a tile and a part), each naming its own slots of one pool of projected
+    keys in the cache's dtype: each query head's log-sum-exp over each block's tokens."""
+    group, rank, slots, width = HQ // H, 8, 40, 21
+    projected = _randn(3, H, group, rank, seed=5)
+    keys = _randn(H, rank, slots, B, dtype=dtype, seed=6)
+    generator = torch.Generator().manual_seed(7)
+    table = torch.stack([torch.randperm(slots, generator=generator)[:width] for _ in range(3)]).to(DEVICE)
+    logits = torch.einsum("rhgk,hkrnb->rhgnb", projected, keys.float()[:, :, table])  # [rows, kv_heads, group, width, block]
+    torch.testing.assert_close(lowrank_block_lse(projected, keys, table), logits.logsumexp(dim=4), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the kernel's dispatch: CUDA only")
+@pytest.mark.parametrize("per_head", [False, True])
+def test_lowrank_scores_on_cuda_equal_the_reference(per_head):
+    q, basis = _randn(3, HQ, D, seed=8), torch.linalg.qr(_randn(H, D, D, seed=9)).Q[..., :16]
+    keys, table = _randn(H, 16, 40, B, seed=10), torch.arange(30, device=DEVICE).view(3, 10)
+    valid = torch.arange(10, device=DEVICE) < torch.tensor([10, 4, 0], device=DEVICE)[:, None]  # a short row, an empty one
+    ours = lowrank_scores(q, basis, keys, table, valid, per_head)
+    ref = lowrank_scores(*(t.cpu() for t in (q, basis, keys, table, valid)), per_head)
+    torch.testing.assert_close(ours.cpu(), ref, rtol=1e-4, atol=1e-5)
 
 
 def _decode_case(dtype: torch.dtype, per_head: bool):
