@@ -55,9 +55,9 @@ class StepWrites:
             return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
         indices = [cat(parts) for parts in (dev_slots, dev_tokens, prefix_buf, prefix_slots, host_buf, host_tokens, saved_buf)]
-        on_device = to_device([*indices, torch.tensor(summary_slots, dtype=torch.long)], batch.input_ids.device)
-        self.dev_slots, self.dev_tokens, self.prefix_buf, self.prefix_slots, self.host_buf, self.host_tokens, self.saved_buf, _ = on_device
-        self.summary_slots = on_device[-1]  # of each host block written, in host_ids' order
+        # the summary slot of each host block written, in host_ids' order
+        *on_device, self.summary_slots = to_device([*indices, torch.tensor(summary_slots, dtype=torch.long)], batch.input_ids.device)
+        self.dev_slots, self.dev_tokens, self.prefix_buf, self.prefix_slots, self.host_buf, self.host_tokens, self.saved_buf = on_device
         # [layers, rows, kv_heads, dim] of K and V: the saved earlier tokens, in saved_buf's rows
         self.saved = tuple(torch.cat(parts, dim=1) for parts in zip(*saved)) if saved else None
         self.host_ids = torch.tensor(host_ids, dtype=torch.long)  # indexes the host pool: stays on the CPU
