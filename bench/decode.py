@@ -47,9 +47,9 @@ from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
+from pulseinfer.messages.plan import Chunk, StepPlan
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.plan import Chunk, StepPlan
-from pulseinfer.scheduler.request import SamplingParams
 
 BASELINES = ("dense", "headwise", "pulse")
 ABLATIONS = ("pulse-no-solohead", "pulse-no-gather", "pulse-no-layer-ahead", "pulse-no-admission", "pulse-quest", "pulse-hot")

@@ -18,8 +18,8 @@ from pulseinfer.common.model.meta import default_model_path
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import load_model
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.request import SamplingParams
 
 
 def corpus_ids(tokenizer) -> list[int]:

@@ -35,8 +35,8 @@ from pulseinfer.gpu_worker.offload.config import HostTier, OffloadConfig
 from pulseinfer.kv_store.client import KVStoreClient
 from pulseinfer.kv_store.view import PoolView
 from pulseinfer.launcher import start_kv_store
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.request import SamplingParams
 
 RUNS = (  # name, --layer-ahead, --suspend, with --deadline-ms
     ("synchronous", "off", "off", False),

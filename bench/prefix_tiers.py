@@ -92,8 +92,8 @@ def copy_costs(counts: list[int]) -> dict:
     """A worker's demotion and promotion of `counts` blocks, against computing a 512-token chunk."""
     from pulseinfer.engine import Engine, EngineConfig  # the model: only here
     from pulseinfer.gpu_worker.config import WorkerConfig
+    from pulseinfer.messages.sampling import SamplingParams
     from pulseinfer.scheduler.batcher import BatcherConfig
-    from pulseinfer.scheduler.request import SamplingParams
 
     config = EngineConfig(
         worker=WorkerConfig(mode="dense", device_kv_tokens=8192), batcher=BatcherConfig(offload="never"), dense_host_tier=True
@@ -107,7 +107,7 @@ def copy_costs(counts: list[int]) -> dict:
 
 def _tier_copies(engine, count: int) -> dict:
     """Device blocks 0..count-1 demoted (into an empty host tier each time), then promoted back."""
-    from pulseinfer.scheduler.plan import Chunk
+    from pulseinfer.messages.plan import Chunk
 
     hierarchy, host, block = engine.runner.hierarchy, engine.host.allocator, engine.runner.cache_spec.block_size
     names = [i.to_bytes(16, "little") for i in range(count)]
@@ -131,8 +131,8 @@ def window_costs(model: str, prefix_len: int = 2048) -> dict:
     from pulseinfer.engine import Engine, EngineConfig
     from pulseinfer.gpu_worker.config import WorkerConfig
     from pulseinfer.gpu_worker.model.loader import load_model
+    from pulseinfer.messages.sampling import SamplingParams
     from pulseinfer.scheduler.batcher import BatcherConfig
-    from pulseinfer.scheduler.request import SamplingParams
 
     loaded = load_model(model)
     prefix = list(range(1000, 1000 + prefix_len))

@@ -104,7 +104,7 @@ def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 def in_process(prompt_sets: list[list[int]], output_tokens: int) -> list[tuple[float, float]]:
     from pulseinfer.engine import Engine, EngineConfig
-    from pulseinfer.scheduler.request import SamplingParams
+    from pulseinfer.messages.sampling import SamplingParams
 
     engine = Engine(EngineConfig())
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)

@@ -52,8 +52,8 @@ from pulseinfer.gpu_check import geometry_dir, materialized
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model, weight_shapes
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.request import SamplingParams
 
 MODES = ("dense", "headwise", "pulse")
 aten = torch.ops.aten

@@ -26,7 +26,7 @@ from pulseinfer.bench.timing import report
 from pulseinfer.common.grammar import GrammarTokenizer, fill_masks, masked, structured_grammar
 from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.gpu_worker.sampler import sample
-from pulseinfer.scheduler.plan import SamplingSpec
+from pulseinfer.messages.plan import SamplingSpec
 
 
 @dataclass(frozen=True)

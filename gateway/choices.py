@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from pulseinfer.gateway.core import Delta, Final
 from pulseinfer.gateway.openai_responses import ChoiceOutput
-from pulseinfer.scheduler.plan import Logprobs
+from pulseinfer.messages.plan import Logprobs
 
 
 @dataclass

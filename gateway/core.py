@@ -22,10 +22,10 @@ from pulseinfer.gateway.grammar_checks import GrammarChecks
 from pulseinfer.gateway.metrics import GatewayMetrics
 from pulseinfer.gateway.nodes import Nodes, summed
 from pulseinfer.gateway.session import Submitted
+from pulseinfer.messages.plan import Logprobs
+from pulseinfer.messages.sampling import ParamError, SamplingParams, check_token_ids
+from pulseinfer.messages.wire import logprobs_from_proto, params_to_proto
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2
-from pulseinfer.scheduler.plan import Logprobs
-from pulseinfer.scheduler.request import ParamError, SamplingParams, check_token_ids
-from pulseinfer.scheduler.wire import logprobs_from_proto, params_to_proto
 
 FINISH_NAMES = {
     generate_pb2.FINISH_REASON_STOP: "stop",

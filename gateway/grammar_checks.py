@@ -32,7 +32,7 @@ from pulseinfer.common.grammar import (
     grammar_thread,
     structured_grammar,
 )
-from pulseinfer.scheduler.request import ParamError
+from pulseinfer.messages.sampling import ParamError
 
 HELPERS = 2  # checks at once; more wait for a free helper
 CHECK_BUDGET_S = 30.0  # one check's time in its helper (a 500 KB schema: ~2 s on an idle 2-core VM)

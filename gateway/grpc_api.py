@@ -8,8 +8,8 @@ import grpc
 
 from pulseinfer.gateway.core import FINISH_NAMES, Delta, GatewayCore, GenerationError, Prepared, Prompt, key_matches
 from pulseinfer.gateway.openai_api import CHAT_ROLES
+from pulseinfer.messages.wire import logprobs_to_proto, params_from_proto
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
-from pulseinfer.scheduler.wire import logprobs_to_proto, params_from_proto
 
 FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"]

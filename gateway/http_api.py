@@ -39,7 +39,7 @@ from pulseinfer.gateway.openai_api import (
     parse_tokenize,
 )
 from pulseinfer.gateway.openai_responses import ResponseShape, finish_reason
-from pulseinfer.scheduler.request import ParamError, check_token_ids
+from pulseinfer.messages.sampling import ParamError, check_token_ids
 
 MAX_REQUEST_BYTES = 2 << 20  # a prompt filling a 32k context is well under 1 MiB of JSON
 _to_json = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps with options builds an encoder per call

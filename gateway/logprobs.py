@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pulseinfer.gateway.core import Delta
 from pulseinfer.gateway.openai_api import ParsedRequest
 from pulseinfer.gateway.openai_responses import ChoiceOutput
-from pulseinfer.scheduler.plan import Logprobs
+from pulseinfer.messages.plan import Logprobs
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token the sampler could not pick (banned by min_tokens) reports this, as vLLM's does
 TokenRow = tuple[float, int, list[tuple[int, float]]] | None  # Logprobs.rows() of a token; None: it has none (a prompt's first)

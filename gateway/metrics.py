@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-# RecallStats' fields (scheduler/plan.py), in order: WorkerStats carries each as recall_<field>,
+# RecallStats' fields (pulseinfer/messages/plan.py), in order: WorkerStats carries each as recall_<field>,
 # /metrics as pulseinfer:recall_<field>_total (seconds spelled out)
 RECALL_HELP = {
     "units": "Units recalled from the host pool: (block, layer), or (block, layer, head) head-wise.",

@@ -21,8 +21,8 @@ import grpc
 from pulseinfer.gateway.metrics import GatewayMetrics
 from pulseinfer.gateway.router import BlockIndex, Router, RouterConfig
 from pulseinfer.gateway.session import SchedulerSession
+from pulseinfer.messages.wire import health_problems
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_store_pb2
-from pulseinfer.scheduler.wire import health_problems
 
 log = logging.getLogger("gateway")
 POLL_S = 1.0

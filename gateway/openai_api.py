@@ -30,7 +30,8 @@ from pulseinfer.gateway.structured import (
     forced_tool_schema,
     structured_of,
 )
-from pulseinfer.scheduler.request import MAX_STOP_STRINGS, SamplingParams
+from pulseinfer.messages.limits import MAX_STOP_STRINGS
+from pulseinfer.messages.sampling import SamplingParams
 
 # accepted only at the value that asks for nothing: anything else is refused, naming the field
 NEUTRAL = {

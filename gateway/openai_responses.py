@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pulseinfer.gateway.chat_text import ChatParts
 from pulseinfer.gateway.core import Final
-from pulseinfer.scheduler.plan import Logprobs
+from pulseinfer.messages.plan import Logprobs
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from pulseinfer.gateway.http_api import MAX_REQUEST_BYTES, HttpApi
 from pulseinfer.gateway.metrics import GatewayMetrics
 from pulseinfer.gateway.nodes import DNS_PREFIX, Nodes
 from pulseinfer.gateway.router import RouterConfig
+from pulseinfer.messages.limits import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("gateway")
 
@@ -37,7 +38,7 @@ class GatewayConfig:
     http_port: int = 8000
     grpc_port: int = 50051
     api_key_file: str | None = None  # the API key is this file's content; default: $PULSEINFER_API_KEY; neither: no key needed
-    default_max_tokens: int = 256  # when a request leaves max_tokens out (capped by the context)
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request leaves max_tokens out (capped by the context)
     max_request_bytes: int = MAX_REQUEST_BYTES  # larger HTTP bodies get 413 before they are read
     # chat outputs divided into reasoning_content, content and tool_calls: qwen3 (<think> and hermes
     # <tool_call>), hermes, llama3_json, none; auto: the model family's (README "Tool calls and reasoning")

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from pulseinfer.common.syncs import to_device
-from pulseinfer.scheduler.plan import StepPlan
+from pulseinfer.messages.plan import StepPlan
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pulseinfer.scheduler.plan import Chunk
+from pulseinfer.messages.plan import Chunk
 
 POINTS = ("forward", "sampling", "mask", "logprobs", "selection", "recall")
 ENV = "PULSEINFER_FAULTS"

@@ -26,7 +26,7 @@ from pulseinfer.gpu_worker.offload.manager import HOST_ERRORS, OffloadManager
 from pulseinfer.kv_store.client import HostPoolLost
 from pulseinfer.kv_store.prefix_cache import demotion_owner, promotion_owner
 from pulseinfer.kv_store.view import PoolView
-from pulseinfer.scheduler.plan import Chunk
+from pulseinfer.messages.plan import Chunk
 
 log = logging.getLogger("gpu_worker")
 

@@ -15,7 +15,7 @@ from pulseinfer.common.model.config import ModelConfig
 from pulseinfer.gpu_worker.config import WorkerConfig, parse_bytes
 from pulseinfer.gpu_worker.offload.config import OffloadConfig, OffloadGeometry
 from pulseinfer.gpu_worker.sparse import BLOCKS, LowRankScorer, QuestScorer, Scorer
-from pulseinfer.scheduler.batcher import BatcherConfig
+from pulseinfer.messages.limits import PREFILL_CHUNK
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class PlanConfig:
     load_format: str = "auto"
     batch: int = 64  # rows decoded together
     context: int = 32768  # tokens of each row
-    prefill_chunk: int = BatcherConfig.prefill_chunk  # prefill tokens in the same step (activations)
+    prefill_chunk: int = PREFILL_CHUNK  # prefill tokens in the same step (activations)
     device_kv_tokens: int = 0  # the worker's device KV pool; 0: the pool the batch needs
 
     def __post_init__(self) -> None:
@@ -222,7 +222,7 @@ def worker_plan(c: ModelConfig, worker: WorkerConfig, device_memory: int, offloa
     rows = worker.device_kv_tokens // worker.block_size // per_row
     if c.sliding_layers:
         rows = min(rows, worker.max_running)
-    return plan_memory(c, worker, Workload(rows, c.max_position, BatcherConfig.prefill_chunk), device_memory, offloading)
+    return plan_memory(c, worker, Workload(rows, c.max_position, PREFILL_CHUNK), device_memory, offloading)
 
 
 def device_memory(worker: WorkerConfig, device: torch.device) -> int | None:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from pulseinfer.common.grammar import GrammarTokenizer
 from pulseinfer.kv_store.prefix_cache import promotion_owner
+from pulseinfer.messages.plan import BlockNames, Chunk, SamplingSpec, StepOutcome, StepPlan
+from pulseinfer.messages.wire import logprobs_to_proto, sampling_from_proto
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
-from pulseinfer.scheduler.plan import BlockNames, Chunk, SamplingSpec, StepOutcome, StepPlan
-from pulseinfer.scheduler.wire import logprobs_to_proto, sampling_from_proto
 
 
 @dataclass

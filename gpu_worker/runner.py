@@ -27,7 +27,7 @@ from pulseinfer.gpu_worker.offload.manager import OffloadManager
 from pulseinfer.gpu_worker.sampler import GrammarMasks, advance_grammars, logprobs_of, sample_with_logprobs, score
 from pulseinfer.gpu_worker.sparse import LowRankScorer, QuestScorer, Scorer
 from pulseinfer.kv_store.client import KVStoreUnavailable
-from pulseinfer.scheduler.plan import Chunk, Logprobs, RecallStats, SampledToken, StepOutcome, StepPlan
+from pulseinfer.messages.plan import Chunk, Logprobs, RecallStats, SampledToken, StepOutcome, StepPlan
 
 log = logging.getLogger("gpu_worker")
 

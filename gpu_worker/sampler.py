@@ -18,7 +18,7 @@ import torch
 
 from pulseinfer.common.grammar import allows_any, fill_masks, masked
 from pulseinfer.common.syncs import to_device, to_host
-from pulseinfer.scheduler.plan import PENALTIES, Logprobs, SamplingSpec, TokenHistory
+from pulseinfer.messages.plan import PENALTIES, Logprobs, SamplingSpec, TokenHistory
 
 _SEED_STRIDE = 1_000_003  # distinct generator seeds per (request seed, token index)
 # Below this a temperature is greedy: dividing by it only overflows, and the distribution it

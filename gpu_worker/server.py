@@ -25,9 +25,9 @@ from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
 from pulseinfer.gpu_worker.requests import RequestTable, Staged
 from pulseinfer.gpu_worker.runner import Launched, poisons_device
+from pulseinfer.messages.plan import StepOutcome, StepPlan
+from pulseinfer.messages.wire import recall_to_proto
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
-from pulseinfer.scheduler.plan import StepOutcome, StepPlan
-from pulseinfer.scheduler.wire import recall_to_proto
 
 log = logging.getLogger("gpu_worker")
 POLL_MS = 200  # how soon a shutdown signal is noticed while idle

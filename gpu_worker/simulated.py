@@ -20,7 +20,7 @@ from pulseinfer.common.model.tokenizer import Tokenizer
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
 from pulseinfer.gpu_worker.runner import Launched
-from pulseinfer.scheduler.plan import Chunk, RecallStats, SampledToken, SamplingSpec, StepOutcome, StepPlan
+from pulseinfer.messages.plan import Chunk, RecallStats, SampledToken, SamplingSpec, StepOutcome, StepPlan
 
 # each a single token of the usual BPE vocabularies (with its leading space); the tokenizer decides
 WORDS = " the of and to in is was for on that with as by at from it an be this which or are his her they had not have one all"

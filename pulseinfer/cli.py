@@ -21,7 +21,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[], help="stop token id (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     from pulseinfer.engine import EngineConfig
-    from pulseinfer.scheduler.request import SamplingParams
+    from pulseinfer.messages.sampling import SamplingParams
 
     add_flags(p, SamplingParams, skip=("stop", "stop_token_ids"))
     add_flags(p, EngineConfig)
@@ -31,7 +31,7 @@ def _generate_parser(sub) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from pulseinfer.common.model.meta import load_model_config
     from pulseinfer.engine import Engine, EngineConfig
-    from pulseinfer.scheduler.request import SamplingParams
+    from pulseinfer.messages.sampling import SamplingParams
 
     text = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
     params = dataclasses.replace(from_flags(SamplingParams, args), stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids))

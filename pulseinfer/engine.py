@@ -24,9 +24,10 @@ from pulseinfer.gpu_worker.sparse import check_mode
 from pulseinfer.kv_store.allocator import BlockAllocator
 from pulseinfer.kv_store.prefix_cache import HostBlocks
 from pulseinfer.kv_store.view import PoolView
+from pulseinfer.messages.plan import Chunk, Logprobs, StepPlan
+from pulseinfer.messages.sampling import FinishReason, SamplingParams
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from pulseinfer.scheduler.plan import Chunk, Logprobs, StepPlan
-from pulseinfer.scheduler.request import FinishReason, SamplingParams, Sequence
+from pulseinfer.scheduler.request import Sequence
 
 
 @dataclass(frozen=True)

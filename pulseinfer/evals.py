@@ -22,7 +22,7 @@ import torch
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.key_basis import prose
 from pulseinfer.gpu_worker.model.loader import LoadedModel
-from pulseinfer.scheduler.request import SamplingParams
+from pulseinfer.messages.sampling import SamplingParams
 
 # The plain-text passkey test of Landmark Attention (Mohtashami & Jaggi, 2023), parts joined by newlines.
 PASSKEY_INTRO = (

@@ -389,7 +389,7 @@ def make_engine(loaded, prompts: list[list[int]], sizes: Sizes, device: str, bud
 
 def greedy(loaded, prompts: list[list[int]], sizes: Sizes, device: str, budget: int | None) -> list[list[int]]:
     """Greedy tokens in float32 of one engine: dense (budget None) or every request offloaded at `budget`."""
-    from pulseinfer.scheduler.request import SamplingParams
+    from pulseinfer.messages.sampling import SamplingParams
 
     engine = make_engine(loaded, prompts, sizes, device, budget, dtype="float32")
     try:
@@ -467,7 +467,7 @@ def decode_step_syncs(engine, prompts: list[list[int]], max_tokens: int) -> tupl
     step; and the completions."""
     from pulseinfer.common.syncs import count_host_syncs
     from pulseinfer.gpu_worker.offload.selection import RowSelector
-    from pulseinfer.scheduler.request import SamplingParams
+    from pulseinfer.messages.sampling import SamplingParams
 
     for prompt in prompts:
         engine.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

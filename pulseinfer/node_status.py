@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 
 from pulseinfer.gateway.metrics import ClusterMetrics
+from pulseinfer.messages.wire import health_problems
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
-from pulseinfer.scheduler.wire import health_problems
 
 log = logging.getLogger("launcher")
 ASK_TIMEOUT_S = 1.0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pulseinfer.scheduler.plan import RecallStats, StepPlan
+from pulseinfer.messages.plan import RecallStats, StepPlan
 
 EMA_WEIGHT = 0.2  # of each new measurement: recall volume changes as hot buffers warm up
 

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 from pulseinfer.kv_store.allocator import BlockAllocator
 from pulseinfer.kv_store.prefix_cache import ROOT, HostPrefix, Observer, PrefixCache, chain_hashes, promotion_owner
+from pulseinfer.messages.limits import PREFILL_CHUNK
+from pulseinfer.messages.plan import PENDING_TOKEN, Admission, BlockNames, Chunk, RecallStats, SampledToken, StepPlan
+from pulseinfer.messages.sampling import FinishReason
 from pulseinfer.scheduler.admission import LinkModel
 from pulseinfer.scheduler.handles import Handles
-from pulseinfer.scheduler.plan import PENDING_TOKEN, Admission, BlockNames, Chunk, RecallStats, SampledToken, StepPlan
-from pulseinfer.scheduler.request import FinishReason, SeqStatus, Sequence
+from pulseinfer.scheduler.request import SeqStatus, Sequence
 
 OFFLOAD_POLICIES = ("never", "auto", "always")
 PREFIX_CACHE = ("on", "off")
@@ -38,7 +40,7 @@ class RequestTooLarge(ValueError):
 @dataclass(frozen=True)
 class BatcherConfig:
     max_batch_size: int = 64  # sequences decoded together
-    prefill_chunk: int = 512  # prefill tokens per step
+    prefill_chunk: int = PREFILL_CHUNK
     max_waiting: int = 1024  # bounded queue: beyond this, new requests are refused
     # never | auto (IO-adaptive admission, scheduler/admission.py) | always (every request, where the
     # worker has a host pool and its device pool holds an offloaded request's footprint)

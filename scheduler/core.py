@@ -19,12 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pulseinfer.common.tls import TlsConfig
 from pulseinfer.kv_store.allocator import AllocatorCorrupt, BlockAllocator
 from pulseinfer.kv_store.prefix_cache import HostPrefix, Observer
-from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from pulseinfer.scheduler.node_blocks import NodeBlocks
-from pulseinfer.scheduler.plan import Logprobs, RecallStats, StepPlan
-from pulseinfer.scheduler.request import FinishReason, Sequence
-from pulseinfer.scheduler.wire import (
+from pulseinfer.messages.plan import Logprobs, RecallStats, StepPlan
+from pulseinfer.messages.sampling import FinishReason
+from pulseinfer.messages.wire import (
     logprobs_to_proto,
     params_from_proto,
     plan_to_proto,
@@ -32,6 +29,10 @@ from pulseinfer.scheduler.wire import (
     recall_from_proto,
     tokens_from_result,
 )
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
+from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
+from pulseinfer.scheduler.node_blocks import NodeBlocks
+from pulseinfer.scheduler.request import Sequence
 
 Sink = Callable[[generate_pb2.ScheduleResponse], None]
 HostPrefixOf = Callable[[int], HostPrefix]  # a worker's view of the host tier's prefix cache, by worker id

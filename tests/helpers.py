@@ -7,7 +7,7 @@ import torch
 from pulseinfer.gpu_worker.batch import build_batch
 from pulseinfer.gpu_worker.forward import forward
 from pulseinfer.gpu_worker.runner import ModelRunner
-from pulseinfer.scheduler.plan import Chunk, SamplingSpec, StepPlan
+from pulseinfer.messages.plan import Chunk, SamplingSpec, StepPlan
 
 GREEDY = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=0, step=0)
 

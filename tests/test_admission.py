@@ -5,10 +5,11 @@ recall would not hide behind compute."""
 from __future__ import annotations
 
 from pulseinfer.kv_store.allocator import BlockAllocator
+from pulseinfer.messages.plan import Chunk, RecallStats, SamplingSpec, StepPlan
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.admission import LinkModel
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from pulseinfer.scheduler.plan import Chunk, RecallStats, SamplingSpec, StepPlan
-from pulseinfer.scheduler.request import SamplingParams, Sequence
+from pulseinfer.scheduler.request import Sequence
 
 BLOCK = 16
 FOOTPRINT = 10  # device blocks of an offloaded request

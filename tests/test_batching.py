@@ -7,8 +7,8 @@ from helpers import assert_device_idle
 
 from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.config import WorkerConfig
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.request import SamplingParams
 
 GREEDY_24 = SamplingParams(max_tokens=24, ignore_eos=True)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pulseinfer.bench.decode import DecodeBenchConfig, TeacherForcing, run, table
-from pulseinfer.scheduler.plan import Chunk
+from pulseinfer.messages.plan import Chunk
 
 
 def test_teacher_forcing_feeds_the_reference_and_counts_greedy_agreement():

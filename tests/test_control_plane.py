@@ -20,12 +20,13 @@ from pulseinfer.gpu_worker.requests import RequestTable
 from pulseinfer.gpu_worker.server import ServedModel, Worker, WorkerServiceConfig
 from pulseinfer.kv_store.allocator import BlockAllocator
 from pulseinfer.kv_store.prefix_cache import HostBlocks
+from pulseinfer.messages.plan import PENDING_TOKEN, SampledToken, StepOutcome
+from pulseinfer.messages.sampling import SamplingParams
+from pulseinfer.messages.wire import params_to_proto, plan_to_proto
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
 from pulseinfer.scheduler.core import SchedulerConfig, SchedulerCore
-from pulseinfer.scheduler.plan import PENDING_TOKEN, SampledToken, StepOutcome
-from pulseinfer.scheduler.request import SamplingParams, Sequence
-from pulseinfer.scheduler.wire import params_to_proto, plan_to_proto
+from pulseinfer.scheduler.request import Sequence
 
 B = 16
 

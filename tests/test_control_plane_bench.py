@@ -16,8 +16,8 @@ from pulseinfer.gateway.metrics import GatewayMetrics
 from pulseinfer.gateway.openai_responses import ResponseShape
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.simulated import SimulatedRunner, simulated_token
+from pulseinfer.messages.plan import Chunk, SamplingSpec, StepPlan
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2
-from pulseinfer.scheduler.plan import Chunk, SamplingSpec, StepPlan
 
 STEP_MS = 20.0
 FOOTPRINT = (64 + 256 + 1024) // 16  # OffloadConfig's defaults: sink + recent + budget, in blocks

@@ -18,8 +18,8 @@ from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import load_model
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.kernels.decode_triton import paged_decode_attention_triton
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.request import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -31,9 +31,9 @@ from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import load_model
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.gpu_worker.offload.selection import RowSelector
+from pulseinfer.messages.plan import Chunk, SamplingSpec, StepPlan
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.plan import Chunk, SamplingSpec, StepPlan
-from pulseinfer.scheduler.request import SamplingParams
 
 
 @pytest.fixture

@@ -36,10 +36,10 @@ from pulseinfer.common.grammar import GrammarTokenizer, GrammarVocab
 from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.gateway.grammar_checks import GrammarChecks, HelperFailed
 from pulseinfer.gpu_worker.requests import RequestTable
+from pulseinfer.messages.plan import SamplingSpec
+from pulseinfer.messages.wire import sampling_to_proto
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2 as pb
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2_grpc, worker_pb2
-from pulseinfer.scheduler.plan import SamplingSpec
-from pulseinfer.scheduler.wire import sampling_to_proto
 
 API_KEY = "hostile-inputs-key"
 MODEL = "SmolLM2-135M-Instruct"

@@ -136,6 +136,12 @@ def test_services_import_nothing_of_gpu_worker(service):
     assert violations(f"pulseinfer.{service}", lambda t: not under("pulseinfer.gpu_worker")(t)) == []
 
 
+@pytest.mark.parametrize("service", ["scheduler", "gpu_worker", "gateway"])
+def test_the_three_services_import_none_of_each_other(service):
+    others = [f"pulseinfer.{name}" for name in ("scheduler", "gpu_worker", "gateway") if name != service]
+    assert violations(f"pulseinfer.{service}", lambda t: not under(*others)(t)) == []
+
+
 def test_common_imports_only_common():
     assert violations("pulseinfer.common", under("pulseinfer.common")) == []
 
@@ -152,9 +158,9 @@ def test_model_imports_only_common_and_model():
 # floors, lowest first: a module imports its own folder and the floors below it, never above or beside
 FLOORS = (
     ("pulseinfer.common", "pulseinfer.proto", "pulseinfer.kernels"),
+    ("pulseinfer.messages",),  # what the processes say to each other: plans, sampling, limits, their wire form
     ("pulseinfer.kv_store",),
-    ("pulseinfer.scheduler",),
-    ("pulseinfer.gpu_worker", "pulseinfer.gateway"),
+    ("pulseinfer.scheduler", "pulseinfer.gpu_worker", "pulseinfer.gateway"),  # peers: they share messages only
     ("pulseinfer", "pulseinfer.bench"),  # the CLI, launcher, in-process engine, evals, probes; benchmarks
 )
 

@@ -18,7 +18,7 @@ from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_check import tiny
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import DummyWeights, load_model, weight_shapes
-from pulseinfer.scheduler.request import SamplingParams
+from pulseinfer.messages.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

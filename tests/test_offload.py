@@ -26,8 +26,8 @@ from pulseinfer.gpu_worker.offload.recall import HostCopier
 from pulseinfer.gpu_worker.offload.selection import by_rank
 from pulseinfer.gpu_worker.sparse import LowRankScorer, QuestScorer, SummaryPool, select_blocks
 from pulseinfer.kernels.scoring import lowrank_scores
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.request import SamplingParams
 
 GREEDY_32 = SamplingParams(max_tokens=32, ignore_eos=True)
 

@@ -12,9 +12,10 @@ from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
 from pulseinfer.kv_store.allocator import BlockAllocator, PoolExhausted
 from pulseinfer.kv_store.prefix_cache import NAME_BYTES, ROOT, HostBlocks, chain_hashes
+from pulseinfer.messages.plan import SampledToken, StepPlan
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import Batcher, BatcherConfig, ModelLimits
-from pulseinfer.scheduler.plan import SampledToken, StepPlan
-from pulseinfer.scheduler.request import SamplingParams, Sequence
+from pulseinfer.scheduler.request import Sequence
 
 B = 16
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)

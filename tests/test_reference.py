@@ -12,7 +12,7 @@ from helpers import last_logits
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import load_model, save_hf_dir
 from pulseinfer.gpu_worker.runner import ModelRunner
-from pulseinfer.scheduler.request import SamplingParams
+from pulseinfer.messages.sampling import SamplingParams
 
 
 def _long_prompt(tokenizer, n_tokens: int) -> list[int]:

@@ -6,10 +6,11 @@ import torch
 
 from pulseinfer.common.model.tokenizer import TextStream
 from pulseinfer.gpu_worker.sampler import UNSAMPLEABLE, sample, sample_with_logprobs
+from pulseinfer.messages.plan import Logprobs, SamplingSpec, TokenHistory
+from pulseinfer.messages.sampling import FinishReason, SamplingParams
+from pulseinfer.messages.wire import sampling_from_proto, sampling_to_proto
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
-from pulseinfer.scheduler.plan import Logprobs, SamplingSpec, TokenHistory
-from pulseinfer.scheduler.request import FinishReason, SamplingParams, Sequence
-from pulseinfer.scheduler.wire import sampling_from_proto, sampling_to_proto
+from pulseinfer.scheduler.request import Sequence
 
 
 def spec(**kw) -> SamplingSpec:

@@ -7,10 +7,10 @@ import weakref
 import pytest
 
 from pulseinfer.gpu_worker.requests import RequestTable
+from pulseinfer.messages.plan import SampledToken, StepOutcome
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
 from pulseinfer.scheduler.batcher import BatcherConfig, QueueFull
 from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers, SchedulerConfig, SchedulerCore
-from pulseinfer.scheduler.plan import SampledToken, StepOutcome
 
 
 class Clock:
@@ -149,8 +149,8 @@ def test_each_recall_counter_has_one_name_from_the_worker_to_metrics():
     """RecallStats' fields are the worker's counters, the proto's RecallStats fields, WorkerStats'
     recall_<field> and /metrics' pulseinfer:recall_<field>_total: no hand-kept map between them."""
     from pulseinfer.gateway.metrics import RECALL_HELP, GatewayMetrics
+    from pulseinfer.messages.plan import RECALL_FIELDS
     from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
-    from pulseinfer.scheduler.plan import RECALL_FIELDS
 
     assert tuple(RECALL_HELP) == RECALL_FIELDS
     assert tuple(f.name for f in worker_pb2.RecallStats.DESCRIPTOR.fields) == RECALL_FIELDS

@@ -24,9 +24,9 @@ from serving_cluster import ServingCluster
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.forward import dense_forward
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.request import SamplingParams
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"

@@ -15,10 +15,10 @@ from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, 
 from pulseinfer.gateway.metrics import GatewayMetrics
 from pulseinfer.gateway.nodes import Nodes
 from pulseinfer.gateway.router import RouterConfig
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 from pulseinfer.scheduler.batcher import QueueFull, RequestTooLarge
 from pulseinfer.scheduler.core import DuplicateRequest, NoWorkers
-from pulseinfer.scheduler.request import SamplingParams
 from pulseinfer.scheduler.server import SERVICE, SchedulerService
 
 TIMEOUT_S = 20  # a test that hangs fails

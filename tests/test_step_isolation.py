@@ -18,8 +18,8 @@ from pulseinfer.engine import Engine, EngineConfig
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.faults import ENV, POINTS, FaultPlan
 from pulseinfer.gpu_worker.offload.config import OffloadConfig
+from pulseinfer.messages.sampling import SamplingParams
 from pulseinfer.scheduler.batcher import BatcherConfig
-from pulseinfer.scheduler.request import SamplingParams
 
 MARKERS = {point: 49100 + i for i, point in enumerate(POINTS)}  # tokens no test prompt holds otherwise
 # the faults fire at decode steps, from the chosen request's third token on; a recall's at its first

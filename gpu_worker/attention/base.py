@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from pulseinfer.gpu_worker.batch import ForwardBatch
-from pulseinfer.scheduler.plan import StepPlan
+from pulseinfer.messages.plan import StepPlan
 
 
 @dataclass(frozen=True)

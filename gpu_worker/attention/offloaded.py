@@ -17,7 +17,7 @@ from pulseinfer.gpu_worker.offload.manager import OffloadManager
 from pulseinfer.gpu_worker.offload.step import OffloadStep
 from pulseinfer.kernels.attention import GatherWorkspace, prefill_attention
 from pulseinfer.kernels.prefill_triton import prefill_attention_triton
-from pulseinfer.scheduler.plan import StepPlan
+from pulseinfer.messages.plan import StepPlan
 
 
 class OffloadedAttention(PagedAttention):

@@ -12,7 +12,7 @@ from pulseinfer.gpu_worker.kv_cache import PagedKVCache
 from pulseinfer.kernels.attention import GatherWorkspace, paged_decode_attention, paged_prefill_attention
 from pulseinfer.kernels.decode_triton import paged_decode_attention_triton
 from pulseinfer.kernels.prefill_triton import paged_prefill_attention_triton
-from pulseinfer.scheduler.plan import StepPlan
+from pulseinfer.messages.plan import StepPlan
 
 
 def decode_attention(

@@ -25,7 +25,7 @@ from pulseinfer.gpu_worker.attention.paged import decode_attention
 from pulseinfer.gpu_worker.batch import ForwardBatch
 from pulseinfer.kernels.attention import GatherWorkspace
 from pulseinfer.kernels.prefill_triton import window_prefill_attention_triton
-from pulseinfer.scheduler.plan import StepPlan
+from pulseinfer.messages.plan import StepPlan
 
 
 class WindowCache:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from pulseinfer.scheduler.plan import RECALL_FIELDS, RecallStats
+from pulseinfer.messages.plan import RECALL_FIELDS, RecallStats
 
 T = TypeVar("T")
 

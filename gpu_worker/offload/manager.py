@@ -26,7 +26,7 @@ from pulseinfer.kernels.attention import GatherWorkspace
 from pulseinfer.kv_store.allocator import PoolExhausted
 from pulseinfer.kv_store.client import HostPoolLost, KVStoreUnavailable
 from pulseinfer.kv_store.cuda_ipc import CopyStream
-from pulseinfer.scheduler.plan import BlockNames, Chunk, RecallStats, StepPlan
+from pulseinfer.messages.plan import BlockNames, Chunk, RecallStats, StepPlan
 
 log = logging.getLogger("gpu_worker")
 HOST_ERRORS = (PoolExhausted, KVStoreUnavailable, HostPoolLost, ValueError)

@@ -17,7 +17,7 @@ from pulseinfer.gpu_worker.offload.recall import Recall, RecallQueue
 from pulseinfer.gpu_worker.offload.selection import RowSelector, Selection
 from pulseinfer.gpu_worker.offload.writes import StepWrites
 from pulseinfer.kernels.attention import GatherWorkspace
-from pulseinfer.scheduler.plan import Chunk
+from pulseinfer.messages.plan import Chunk
 
 
 class OffloadStep:

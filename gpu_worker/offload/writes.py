@@ -12,7 +12,7 @@ from pulseinfer.gpu_worker.offload.config import OffloadGeometry
 from pulseinfer.gpu_worker.offload.layout import OffloadedSeq
 from pulseinfer.gpu_worker.sparse import SummaryPool
 from pulseinfer.kv_store.view import PoolView
-from pulseinfer.scheduler.plan import Chunk
+from pulseinfer.messages.plan import Chunk
 
 
 class StepWrites:

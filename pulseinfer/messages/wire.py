@@ -5,8 +5,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import asdict
 
-from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
-from pulseinfer.scheduler.plan import (
+from pulseinfer.messages.plan import (
     PENALTIES,
     RECALL_FIELDS,
     Admission,
@@ -17,7 +16,8 @@ from pulseinfer.scheduler.plan import (
     StepPlan,
     TokenHistory,
 )
-from pulseinfer.scheduler.request import SamplingParams
+from pulseinfer.messages.sampling import SamplingParams
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, worker_pb2
 
 
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:

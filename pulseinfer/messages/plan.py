@@ -128,7 +128,7 @@ class Chunk:
     sampling: SamplingSpec | None  # None: a prefill chunk that does not reach the end of the prompt
     offloaded: bool = False  # block_table is the fixed device footprint; the worker keeps the rest on host
     host_prefix: tuple[int, ...] = ()  # offloaded, its first chunk: the cached host blocks it starts from
-    # how the scheduler sends it (scheduler/wire.py): the admission's handle; a decode chunk's input is
+    # how the scheduler sends it (pulseinfer/messages/wire.py): the admission's handle; a decode chunk's input is
     # the token its worker sampled last (PENDING_TOKEN while unknown); its worker has block_table[:known_blocks]
     handle: int = -1
     fed_back: bool = False
