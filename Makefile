@@ -24,7 +24,6 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(VENV)/bin/pulseinfer serve
 
-# pytest, not `python -m pytest`: that puts the repo root on sys.path, where kernels/ would shadow HF's `kernels`
 test: $(STAMP)
 	bash scripts/fetch_helm.sh || echo "make test: no helm (see above): tests/test_helm_chart.py will skip"
 	$(VENV)/bin/ruff check --no-cache .

@@ -157,7 +157,8 @@ def test_model_imports_only_common_and_model():
 
 # floors, lowest first: a module imports its own folder and the floors below it, never above or beside
 FLOORS = (
-    ("pulseinfer.common", "pulseinfer.proto", "pulseinfer.kernels"),
+    ("pulseinfer.common",),
+    ("pulseinfer.proto", "pulseinfer.kernels"),
     ("pulseinfer.messages",),  # what the processes say to each other: plans, sampling, limits, their wire form
     ("pulseinfer.kv_store",),
     ("pulseinfer.scheduler", "pulseinfer.gpu_worker", "pulseinfer.gateway"),  # peers: they share messages only
@@ -187,3 +188,16 @@ def test_imports_without_torch(module, tmp_path):
     code = f"import {module}, sys; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("statement", ["import transformers.activations", "import kernels; assert 'site-packages' in kernels.__file__"])
+def test_the_folders_do_not_shadow_installed_packages_from_the_repository_root(statement):
+    """From the root, Python finds kernels/ (gateway/, ...) before site-packages: transformers imports
+    Hugging Face's `kernels`, which must not be ours (pulseinfer.kernels)."""
+    result = subprocess.run([sys.executable, "-c", statement], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_folder_under_its_bare_name_is_not_found_where_nothing_of_that_name_is_installed():
+    result = subprocess.run([sys.executable, "-c", "import gpu_worker"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "No module named 'gpu_worker'" in result.stderr
