@@ -1,4 +1,4 @@
-"""Several hosts on one machine (DESIGN.md §11), for the multi-node tests and benchmark: each node a
+"""Several hosts on one machine (docs/deployment.md, several nodes), for the multi-node tests and benchmark: each node a
 Linux network namespace with its own PID namespace and private /dev/shm and TMPDIR (so no ipc path
 or shared-memory segment can cross nodes), the gateway in a namespace of its own that names the
 nodes in its /etc/hosts (`ip netns exec` binds /etc/netns/<ns>/hosts there), all joined by veth

@@ -1,4 +1,4 @@
-"""Routing across nodes on a trace replay (DESIGN.md §11): one node, then two emulated nodes behind
+"""Routing across nodes on a trace replay (docs/deployment.md, several nodes): one node, then two emulated nodes behind
 a gateway routing cache_aware, then round_robin, each replaying the same Mooncake slice with
 `pulseinfer bench serve` from the gateway's namespace; the prefix cache's hit rate and TTFT per
 policy, and where the prompt tokens went.

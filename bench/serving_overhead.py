@@ -55,7 +55,7 @@ def _echo_worker(address: str, rounds: int) -> None:
 
 
 def _plan(batch: int, context_tokens: int, block_size: int = 16) -> worker_pb2.SchedulerMessage:
-    """A steady decode step (DESIGN.md §10): a handle per row, plus the new block of the rows that cross one."""
+    """A steady decode step (docs/architecture.md): a handle per row, plus the new block of the rows that cross one."""
     crossing = [h for h in range(batch) if (context_tokens + h) % block_size == 0]
     plan = worker_pb2.StepPlan(step_id=1, decode=range(batch), grant_handles=crossing, grant_blocks=crossing)
     return worker_pb2.SchedulerMessage(plan=plan)

@@ -1,4 +1,4 @@
-"""Which node a request goes to (DESIGN.md §11): batching stays inside each node's scheduler, the
+"""Which node a request goes to (docs/deployment.md, several nodes): batching stays inside each node's scheduler, the
 gateway only picks the node.
 
 cache_aware is SGLang router's policy: a request goes to the node that holds the longest prefix

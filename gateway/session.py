@@ -1,4 +1,4 @@
-"""The gateway's one `Scheduler.Session` stream (DESIGN.md §10): every request of this process
+"""The gateway's one `Scheduler.Session` stream (docs/architecture.md): every request of this process
 multiplexed on it, so a step's tokens for all of them arrive as one message, not one gRPC message
 per token per request."""
 

@@ -1,4 +1,4 @@
-"""The KV hierarchy on a worker (README "Prefix caching"): the device and host tiers' prefix caches as one.
+"""The KV hierarchy on a worker (docs/prefix_cache.md): the device and host tiers' prefix caches as one.
 
 Demotion: cached device blocks the scheduler evicted for a step are written to the host tier before
 the step writes anything (the scheduler may grant them again in that very plan), then named there;

@@ -1,4 +1,4 @@
-"""A worker's running requests, kept from their admission (DESIGN.md §10).
+"""A worker's running requests, kept from their admission (docs/architecture.md).
 
 A step plan carries only what changed (worker.proto StepPlan): new admissions, new blocks, prefill
 tokens, the handles that decode, releases. The table turns each plan back into the chunks the model

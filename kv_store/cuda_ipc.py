@@ -1,4 +1,4 @@
-"""Recalls into a CUDA worker's KV cache from the kv_store process (DESIGN.md section 6).
+"""Recalls into a CUDA worker's KV cache from the kv_store process (docs/architecture.md).
 
 The worker exports its cache (K then V in one device allocation) and two interprocess events
 with CUDA IPC (`ExportedCache`); the kv_store's I/O engine maps them (`CudaTarget`) and copies

@@ -9,7 +9,7 @@ reference on each block it names (as the allocator owner CACHE_OWNER), so a bloc
 request that computed it; requests that reuse it add theirs. A block only the cache references is
 free to evict: least recently used first, and only when an allocation needs room.
 
-The two tiers are one hierarchy (README "Prefix caching"): a device block evicted is demoted, written to the
+The two tiers are one hierarchy (docs/prefix_cache.md): a device block evicted is demoted, written to the
 host tier under its name unless that tier has it already; a resident request whose prefix goes on
 in the host tier past the device's promotes those blocks into device blocks instead of computing
 them. Offloaded requests reuse host blocks in place. The host tier's own LRU decides what it keeps.
@@ -57,7 +57,7 @@ Observer = Callable[[list[bytes], bool], None]  # names stored (True) or removed
 
 class PrefixCache:
     def __init__(self, allocator: BlockAllocator, observer: Observer | None = None):
-        """`observer` hears every name the cache starts or stops holding (block events, DESIGN.md §11)."""
+        """`observer` hears every name the cache starts or stops holding (block events, docs/deployment.md, several nodes)."""
         self.allocator = allocator
         self.blocks: OrderedDict[bytes, int] = OrderedDict()  # name -> device block, least recently used first
         self.stats = PrefixStats()
@@ -228,7 +228,7 @@ class BlockEvents:
 
 
 class BlockJournal:
-    """A tier's block events (DESIGN.md §11), numbered and bounded: readers pull what changed since
+    """A tier's block events (docs/deployment.md, several nodes), numbered and bounded: readers pull what changed since
     their last number, so none is pushed to and a slow one costs a snapshot, not memory."""
 
     def __init__(self, capacity: int = 1 << 16):

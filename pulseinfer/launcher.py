@@ -1,5 +1,5 @@
 """`pulseinfer serve`: the whole cluster on one machine, one OS process per service; `pulseinfer
-node`: the same less the gateway, one host of several (DESIGN.md §11), its scheduler's gRPC on
+node`: the same less the gateway, one host of several (docs/deployment.md, several nodes), its scheduler's gRPC on
 --listen for gateways elsewhere and its status (pulseinfer/node_status.py) on --metrics-listen.
 
 Starts kv_store, scheduler, N workers and the gateway in that order, each waiting for the

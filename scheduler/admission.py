@@ -1,4 +1,4 @@
-"""IO-adaptive offloading admission (DESIGN.md section 5): the measurements it decides on.
+"""IO-adaptive offloading admission (docs/architecture.md): the measurements it decides on.
 
 A request stays resident while the device pool holds it (no I/O at all). Under memory pressure
 the longest waiting contexts are offloaded first (each frees the most device blocks). An

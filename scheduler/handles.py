@@ -1,4 +1,4 @@
-"""Compact integer names of a worker's running admissions (DESIGN.md §10)."""
+"""Compact integer names of a worker's running admissions (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The KV blocks this node holds, by name, in either tier, for the gateways' routers (DESIGN.md §11;
+"""The KV blocks this node holds, by name, in either tier, for the gateways' routers (docs/deployment.md, several nodes;
 Scheduler.BlockEvents): each worker's device prefix cache tells its changes as they happen (its
 PrefixCache observer), the host tier's are polled from the kv_store's journal. A name is held
 while any worker or the host tier holds it; its arrival and departure are this node's events."""

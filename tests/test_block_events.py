@@ -1,4 +1,4 @@
-"""Block events (DESIGN.md §11): a tier's journal read from where a reader left off or as a
+"""Block events (docs/deployment.md, several nodes): a tier's journal read from where a reader left off or as a
 snapshot, a node's union of its workers' device caches and its host tier, and the batches the
 scheduler streams to gateways."""
 

@@ -1,4 +1,4 @@
-"""The control plane (DESIGN.md §10): incremental step plans and overlapped scheduling.
+"""The control plane (docs/architecture.md): incremental step plans and overlapped scheduling.
 
 The scheduler's core and a worker (its request table and model runner) run here without sockets:
 plans are executed in the order they are sent, two in flight with overlap on, as over ZMQ."""

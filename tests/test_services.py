@@ -283,7 +283,7 @@ NOT_IMPLEMENTED = {
 def test_every_field_not_implemented_is_refused_naming_it_and_neutral_or_ignored_ones_pass(client, kind):
     """Through the official client (extra_body sends what its signature lacks): a 400 whose param
     is the field, for each; the neutral values a client library may send, and the fields ignored on
-    purpose (README "OpenAI API parameters"), change nothing."""
+    purpose (docs/api.md "OpenAI API parameters"), change nothing."""
     create = client.completions.create if kind == "completions" else client.chat.completions.create
     base = {"prompt": "The capital of France is"} if kind == "completions" else {"messages": CHAT}
     base |= {"model": MODEL, "max_tokens": 4, "temperature": 0}

@@ -1,4 +1,4 @@
-"""gRPC between hosts (DESIGN.md §11): mutual TLS from certificate files (on Kubernetes, a
+"""gRPC between hosts (docs/deployment.md, several nodes): mutual TLS from certificate files (on Kubernetes, a
 kubernetes.io/tls Secret with ca.crt), or plaintext on loopback and unix sockets only unless the
 operator says --insecure. Node and gateway each present a certificate the other's CA signed."""
 
@@ -52,7 +52,7 @@ class TlsConfig:
         if not self.enabled and not self.insecure and not is_local(address):
             raise ValueError(
                 f"{role} {address} is not a loopback address: give --tls-cert/--tls-key/--tls-ca for mutual TLS "
-                "(README 'Running on several nodes'), or --insecure to serve plaintext on a network you trust"
+                "(docs/deployment.md 'Several nodes'), or --insecure to serve plaintext on a network you trust"
             )
 
     def add_port(self, server: grpc.aio.Server, address: str) -> None:

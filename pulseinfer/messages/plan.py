@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 # SamplingSpec, Chunk and SampledToken, built per request per step, are slotted and not frozen: a
 # frozen dataclass's __init__ costs 1.2 us against 0.2, at batch 256 a quarter millisecond of every
-# step on each side of the wire (DESIGN.md §10). Nothing mutates them once made.
+# step on each side of the wire (docs/architecture.md). Nothing mutates them once made.
 
 
 @dataclass(slots=True)
