@@ -29,6 +29,7 @@ from pulseinfer.gateway.choices import (
 )
 from pulseinfer.gateway.core import Delta, Final, GatewayCore, GenerationError, Prepared, Prompt, key_matches
 from pulseinfer.gateway.logprobs import NO_LOGPROBS, ChoiceView, LogprobFormat
+from pulseinfer.gateway.metrics import CONTENT_TYPE_LATEST
 from pulseinfer.gateway.openai_api import (
     ApiError,
     ParsedRequest,
@@ -121,7 +122,7 @@ class HttpApi:
 
     async def metrics(self, request: Request) -> Response:
         await self.core.cluster_stats()
-        return PlainTextResponse(self.core.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(self.core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         """Drops every worker's cached prefix blocks (those requests hold stay theirs)."""

@@ -1,9 +1,10 @@
-"""The nodes a gateway serves from (DESIGN.md §11): one `Scheduler.Session` per node, each node
+"""The nodes a gateway serves from (docs/deployment.md, several nodes): one `Scheduler.Session` per node, each node
 polled for its stats (its load, block size, health), a node found by DNS (a Kubernetes headless
 Service) or named, and the router's view of what each holds.
 
 A node that stops answering (its processes killed, its link down) is marked down within
-DOWN_AFTER polls, and its in-flight requests fail then, if gRPC keepalive has not failed them
+DOWN_AFTER periodic polls (the polls /health and /metrics make on demand refresh stats only), and its
+in-flight requests fail then, if gRPC keepalive has not failed them
 already; new requests go to the others; a node that answers again rejoins with an empty index
 (its cache is cold or unknown). The gateway keeps no state a restart would lose but that index,
 so gateways are replicas."""
@@ -27,7 +28,7 @@ from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc, kv_s
 log = logging.getLogger("gateway")
 POLL_S = 1.0
 POLL_TIMEOUT_S = 1.0
-DOWN_AFTER = 2  # polls missed in a row: down, its requests failed (within POLL_S * DOWN_AFTER + POLL_TIMEOUT_S)
+DOWN_AFTER = 2  # periodic polls missed in a row: down, its requests failed (within POLL_S * DOWN_AFTER + POLL_TIMEOUT_S)
 DNS_PREFIX = "dns:"
 DNS_REFRESH_S = 5.0
 DEFAULT_INDEX_BLOCKS = 1 << 16  # until a node's stats give its capacity
@@ -62,7 +63,18 @@ class Node:
             self.events.cancel()
         await self.channel.close()
 
+    @property
+    def answering(self) -> bool:
+        """The periodic poll's last answer came (the node may be unhealthy)."""
+        return self.state in ("up", "unhealthy")
+
+    def refreshed(self, stats: generate_pb2.SchedulerStats) -> None:
+        """An on-demand poll's answer: newer stats, the state left to the periodic poll (`polled`)."""
+        self.stats = stats
+        self._fit_index(stats)
+
     def polled(self, stats: generate_pb2.SchedulerStats | None) -> None:
+        """The periodic poll's answer, None for none in time: the node's state."""
         if stats is None:
             self.missed += 1
             if self.missed >= DOWN_AFTER and self.state != "down":
@@ -75,6 +87,9 @@ class Node:
         self.missed, self.stats, self.answered_at = 0, stats, time.monotonic()
         self.problems = health_problems(stats)
         self.state = "unhealthy" if self.problems else "up"
+        self._fit_index(stats)
+
+    def _fit_index(self, stats: generate_pb2.SchedulerStats) -> None:
         capacity = stats.device_blocks_total + stats.host_blocks_total
         if capacity:
             self.index.capacity = min(self.index_blocks, capacity)
@@ -155,8 +170,8 @@ class Nodes:
             await self._resolve()
         for node in self.nodes.values():
             node.events = node.events or asyncio.create_task(node.follow_events(self.metrics))
-        await self.poll()
-        self._tasks = [asyncio.create_task(self._every(POLL_S, self.poll))]
+        await self.check()
+        self._tasks = [asyncio.create_task(self._every(POLL_S, self.check))]
         if self.names:
             self._tasks.append(asyncio.create_task(self._every(DNS_REFRESH_S, self._resolve)))
 
@@ -176,6 +191,19 @@ class Nodes:
                 log.exception("node upkeep failed")
 
     async def poll(self) -> None:
+        """On demand (/health, /metrics): the stats of the nodes the periodic poll finds answering, for
+        those that answer now; it moves no node's state, and an answer missed here counts for nothing:
+        a client polling fast must not fail a slow node's requests sooner than DOWN_AFTER periodic polls."""
+        nodes = [n for n in self.nodes.values() if n.answering]
+        for node, stats in zip(nodes, await asyncio.gather(*(self._stats(n) for n in nodes)), strict=True):
+            if stats is not None and node.answering:  # the periodic poll may have moved it meanwhile
+                node.refreshed(stats)
+        for node in self.nodes.values():
+            self.metrics.index_blocks.set(len(node.index), node=node.address)
+
+    async def check(self) -> None:
+        """Periodic (every POLL_S): each node's stats and its state from them, the only poll that moves
+        states (up, unhealthy, unreachable, down: its requests failed); retired nodes without requests closed."""
         nodes = list(self.nodes.values())
         for node, stats in zip(nodes, await asyncio.gather(*(self._stats(n) for n in nodes)), strict=True):
             node.polled(stats)

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 
-from pulseinfer.gateway.metrics import ClusterMetrics
+from pulseinfer.gateway.metrics import CONTENT_TYPE_LATEST, ClusterMetrics
 from pulseinfer.messages.wire import health_problems
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 
@@ -60,7 +60,7 @@ class NodeStatus:
                     metrics = ClusterMetrics()
                     if (stats := status.stats()) is not None:
                         metrics.set_cluster(stats)
-                    self._send(200, metrics.render(), "text/plain; version=0.0.4")
+                    self._send(200, metrics.render(), CONTENT_TYPE_LATEST)
                 elif self.path == "/health":
                     problems = health_problems(stats := status.stats())
                     body = (

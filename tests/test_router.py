@@ -5,24 +5,30 @@ by poll answers without a network, summed stats, and a real grpc.aio server with
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.requests import Request
 from tls_certs import Certs, make_certs
 
 from pulseinfer.common import grpc_common
 from pulseinfer.common.tls import TlsConfig, is_local
+from pulseinfer.gateway.core import GatewayCore
+from pulseinfer.gateway.http_api import HttpApi
 from pulseinfer.gateway.metrics import GatewayMetrics
-from pulseinfer.gateway.nodes import DEFAULT_INDEX_BLOCKS, DOWN_AFTER, Node, Nodes, summed
+from pulseinfer.gateway.nodes import DEFAULT_INDEX_BLOCKS, DOWN_AFTER, POLL_S, POLL_TIMEOUT_S, Node, Nodes, summed
 from pulseinfer.gateway.router import BlockIndex, Router, RouterConfig
 from pulseinfer.gateway.server import GatewayConfig
 from pulseinfer.kv_store.prefix_cache import ROOT, chain_hashes
-from pulseinfer.proto.pulseinfer.v1 import generate_pb2
+from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 
 BLOCK = 16
 CALL_TIMEOUT_S = 3.0
@@ -414,6 +420,83 @@ def test_a_node_whose_session_broke_since_its_last_answer_is_not_routable():
     run(main)
 
 
+class StallingScheduler(generate_pb2_grpc.SchedulerServicer):
+    """A node's scheduler that answers Stats at once, or while stalled (`resume` clear) when the stall
+    ends; it holds Session streams open answering nothing, and has no block events."""
+
+    def __init__(self):
+        self.resume = asyncio.Event()
+        self.resume.set()
+        self.stalled_calls: list[float] = []  # when each Stats call that waited for the stall arrived
+
+    async def Stats(self, request, context):  # noqa: N802 - the service's names
+        if not self.resume.is_set():
+            self.stalled_calls.append(time.monotonic())
+            await self.resume.wait()
+        return answer()
+
+    async def Session(self, request_iterator, context):  # noqa: N802
+        async for _ in request_iterator:
+            pass
+
+    async def BlockEvents(self, request, context):  # noqa: N802
+        pass
+
+
+def test_a_client_polling_health_fast_does_not_mark_a_stalled_node_down():
+    """/health polls the nodes on demand, and only the periodic poll moves a node's state: a node that
+    stalls longer than a poll's timeout, but too briefly for DOWN_AFTER periodic polls in a row to miss
+    it, is not marked down (its requests failed) by a client asking /health 50 times a second."""
+    stall_s = POLL_TIMEOUT_S + POLL_S  # periodic polls miss at most one; on-demand polls, a second's worth
+
+    async def main() -> None:
+        scheduler = StallingScheduler()
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        nodes = make_nodes(targets=f"127.0.0.1:{port}")
+        node = nodes.nodes[f"127.0.0.1:{port}"]
+        meta = SimpleNamespace(tokenizer=None, config=SimpleNamespace(max_position=64, vocab_size=26))
+        api = HttpApi(GatewayCore(meta, "fake", nodes, nodes.metrics), None, 16)
+        request = Request({"type": "http", "method": "GET", "path": "/health", "headers": [], "query_string": b""})
+        states: list[str] = []
+
+        async def health() -> None:
+            reply = json.loads((await api.health(request)).body)
+            states.append(reply["nodes"][node.address]["state"])
+
+        async def clients(seconds: float) -> None:  # 50 a second, each without waiting for the ones before
+            loop = asyncio.get_running_loop()
+            end, asked = loop.time() + seconds, []
+            while loop.time() < end:
+                asked.append(asyncio.create_task(health()))
+                states.append(node.state)
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*asked)
+
+        try:
+            await nodes.start()
+            assert node.state == "up"
+            submitted = submit(node, "r1")
+            await clients(0.2)
+            scheduler.resume.clear()
+            await clients(stall_s)
+            resumed = time.monotonic()
+            scheduler.resume.set()
+            await clients(POLL_S + POLL_TIMEOUT_S)  # the periodic poll sees it answer again
+            missed = [t for t in scheduler.stalled_calls if t < resumed - POLL_TIMEOUT_S]
+            assert len(missed) > 2 * DOWN_AFTER  # the stall made on-demand polls miss, many in a row
+            assert "down" not in states
+            assert node.state == "up" and node.routable
+            assert submitted.inbox.empty() and node.session.lost_at is None  # its request was not failed
+        finally:
+            await nodes.close()
+            await server.stop(None)
+
+    run(main)
+
+
 def test_place_routes_a_repeated_prompt_to_the_node_that_holds_it():
     async def main() -> None:
         nodes = make_nodes()
@@ -427,9 +510,9 @@ def test_place_routes_a_repeated_prompt_to_the_node_that_holds_it():
             nodes.release("a")
             for i in range(4):
                 assert nodes.place(f"again{i}", ids) is home
-            routed = nodes.metrics.routed.values
-            assert routed[(("node", home.address), ("reason", "room"))] == 1
-            assert routed[(("node", home.address), ("reason", "cache_hit"))] == 4
+            routed = "pulseinfer:router_requests_total"
+            assert nodes.metrics.value(routed, node=home.address, reason="room") == 1
+            assert nodes.metrics.value(routed, node=home.address, reason="cache_hit") == 4
             other = next(n for n in nodes.nodes.values() if n is not home)
             assert nodes.place("new", prompt(2)) is other  # the emptier index takes a new prompt
         finally:

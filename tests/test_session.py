@@ -219,7 +219,7 @@ def test_admit_returns_once_accepted_and_closing_a_queued_request_aborts_it():
             with pytest.raises(GenerationError):
                 await gw.admit(prepared("full"))  # a refusal is raised by admit, before any event
             events = await gw.admit(prepared("queued"))  # accepted: no token is waited for
-            assert "queued" in core.sinks and gw.metrics.prompt_tokens.values[()] == 3
+            assert "queued" in core.sinks and gw.metrics.value("pulseinfer:prompt_tokens_total") == 3
             await events.aclose()  # a client gone while its request waits in the queue
             await until(lambda: core.aborted == ["queued"], "the queued request aborted")
 
@@ -245,7 +245,9 @@ def test_a_consumer_that_falls_behind_gets_one_delta_for_all_new_tokens():
                 Final("length", 3, 4, timings=generate_pb2.Timings(e2e_s=0.5), cached_tokens=2),
             ]
             metrics = gw.metrics
-            assert metrics.generation_tokens.values[()] == 4 and sum(metrics.ttft.counts) == 1 and sum(metrics.itl.counts) == 3
+            assert metrics.value("pulseinfer:generation_tokens_total") == 4
+            assert metrics.value("pulseinfer:time_to_first_token_seconds_count") == 1
+            assert metrics.value("pulseinfer:inter_token_latency_seconds_count") == 3
 
     run(test)
 
