@@ -70,3 +70,20 @@ PROMPTS = [
     "In 1905, Albert Einstein published four papers that",
     "List three colors:\n1.",
 ]
+
+
+MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each module's time (setup, call and teardown of its tests), for the summary below."""
+    module = report.nodeid.split("::")[0]
+    MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest modules, so a slow CI run says where its time went."""
+    slowest = sorted(MODULE_SECONDS.items(), key=lambda item: -item[1])[:8]
+    terminalreporter.write_sep("-", "slowest modules (setup + call + teardown)")
+    for module, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
