@@ -11,5 +11,8 @@ for folder in FOLDERS:
     package_dir[f"pulseinfer.{folder}"] = folder
     packages += [f"pulseinfer.{name}" for name in find_packages(include=[folder, f"{folder}.*"])]
 
-# the --load-format dummy geometries (config.json files)
-setup(packages=packages, package_dir=package_dir, package_data={"pulseinfer.common.model": ["geometries/*/config.json"]})
+DATA = {
+    "pulseinfer.common.model": ["geometries/*/config.json"],  # the --load-format dummy geometries
+    "pulseinfer.bench": ["traces/*"],  # the Mooncake trace the benchmarks replay
+}
+setup(packages=packages, package_dir=package_dir, package_data=DATA)

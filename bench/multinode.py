@@ -3,7 +3,7 @@ a gateway routing cache_aware, then round_robin, each replaying the same Mooncak
 `pulseinfer bench serve` from the gateway's namespace; the prefix cache's hit rate and TTFT per
 policy, and where the prompt tokens went.
 
-    sudo pulseinfer bench multinode [--trace ../shared/traces/mooncake_conversation_trace.jsonl]
+    sudo pulseinfer bench multinode [--trace bench/traces/mooncake_conversation_trace.jsonl.gz]
         [--trace-conversations 12] [--length-scale 0.0625] [--time-scale 10] [--json docs/results/multinode.json]
 
 The nodes are network, PID and mount namespaces on this machine (bench/emulated_nodes.py), so
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pulseinfer.bench import serve
 from pulseinfer.bench.emulated_nodes import HTTP_PORT, EmulatedCluster, missing
+from pulseinfer.bench.mooncake import CONVERSATION_TRACE
 from pulseinfer.bench.timing import write_results
 
 SETTINGS = {"single": (1, "cache_aware"), "cache_aware": (2, "cache_aware"), "round_robin": (2, "round_robin")}
@@ -26,7 +27,7 @@ SETTINGS = {"single": (1, "cache_aware"), "cache_aware": (2, "cache_aware"), "ro
 
 @dataclass(frozen=True)
 class MultinodeBenchConfig:
-    trace: str = "../shared/traces/mooncake_conversation_trace.jsonl"
+    trace: str = CONVERSATION_TRACE
     trace_conversations: int = 12  # every turn of the first 12 multi-turn conversations (as bench prefix-tiers)
     length_scale: float = 0.0625  # a 512-token trace block becomes 32 tokens
     time_scale: float = 10.0

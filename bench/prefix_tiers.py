@@ -3,7 +3,7 @@ tier's second level (--host-prefix-cache on: evicted device blocks demoted, host
 for resident requests) against each tier serving only its own placements (off), for dense,
 pulse with IO-adaptive offloading, and pulse with every request offloaded, on a small device pool.
 
-    pulseinfer bench prefix-tiers [--trace ../shared/traces/mooncake_conversation_trace.jsonl] [--trace-conversations 12]
+    pulseinfer bench prefix-tiers [--trace bench/traces/mooncake_conversation_trace.jsonl.gz] [--trace-conversations 12]
         [--length-scale 0.0625] [--time-scale 10] [--device-kv-tokens 8192] [--settings dense,pulse-auto,pulse-always]
         [--copy-blocks 1,8,32,64] [--window-model gemma-3-270m] [--json docs/results/prefix_tiers.json]
 
@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pulseinfer.bench import serve
 from pulseinfer.bench.cluster import ServingCluster
+from pulseinfer.bench.mooncake import CONVERSATION_TRACE
 
 SETTINGS = {
     "dense": ("--mode", "dense", "--offload", "never"),
@@ -59,7 +60,7 @@ METRICS = {  # what a run reports -> (metric, per worker)
 
 @dataclass(frozen=True)
 class PrefixTiersBenchConfig:
-    trace: str = "../shared/traces/mooncake_conversation_trace.jsonl"
+    trace: str = CONVERSATION_TRACE
     trace_conversations: int = 12  # every turn of the first 12 multi-turn conversations: 36 requests, 50% of tokens repeat
     trace_start_s: float = 0.0
     length_scale: float = 0.0625  # a 512-token trace block becomes 32 tokens

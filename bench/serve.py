@@ -23,7 +23,7 @@ then the first --max-requests of them: the trace's reuse is mostly between turns
 which a window small enough for one machine misses (compress their arrivals with --time-scale).
 The random-mode flags are refused with --trace.
 
-    pulseinfer bench serve --trace ../shared/traces/mooncake_conversation_trace.jsonl [--max-requests 20]
+    pulseinfer bench serve --trace bench/traces/mooncake_conversation_trace.jsonl.gz [--max-requests 20]
         [--trace-start-s 0] [--trace-duration-s 60] [--time-scale 4] [--length-scale 0.25] [--json OUT]
 
 Both modes: at most --max-concurrency requests in flight (latencies count from the send, not
@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pulseinfer.bench.mooncake import BlockSource, TraceRow, load_trace, scaled_lengths, trace_block_size
 from pulseinfer.common.api_key import resolve_api_key
 
-TRACE_BLOCK = 512  # tokens per hash id in a Mooncake trace
 RANDOM_ONLY = ("num_prompts", "input_len", "range_ratio", "output_len", "request_rate")
 TRACE_ONLY = ("time_scale", "length_scale", "max_requests", "trace_start_s", "trace_duration_s", "trace_conversations")
 
@@ -134,14 +134,6 @@ class RequestResult:
     error: str = ""
 
 
-@dataclass(frozen=True)
-class TraceRow:
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
 def prose_corpus() -> list[int]:
     """Python's documentation in token ids of the default model's tokenizer."""
     import pydoc_data.topics
@@ -164,86 +156,6 @@ def random_requests(config: ServeBenchConfig, corpus: list[int]) -> list[BenchRe
     return [BenchRequest(p, config.output_len, t) for p, t in zip(prompts, itertools.accumulate(gaps, initial=0.0))]
 
 
-def _trace_row(line: str, where: str) -> TraceRow:
-    try:
-        row = json.loads(line)
-        hash_ids = tuple(row["hash_ids"])
-        parsed = TraceRow(float(row["timestamp"]), row["input_length"], row["output_length"], hash_ids)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: not a trace record ({type(e).__name__}: {e})") from e
-    ints = (parsed.input_length, parsed.output_length, *hash_ids)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints) or parsed.input_length < 1 or parsed.output_length < 1:
-        raise ValueError(f"{where}: input_length and output_length must be integers >= 1, hash_ids integers")
-    if parsed.timestamp_ms < 0 or len(hash_ids) != math.ceil(parsed.input_length / TRACE_BLOCK):
-        raise ValueError(f"{where}: needs a timestamp >= 0 and one hash id per {TRACE_BLOCK} tokens of input_length")
-    return parsed
-
-
-def load_trace(config: ServeBenchConfig) -> list[TraceRow]:
-    """The requests of the configured window of the trace, in arrival order."""
-    try:
-        lines = Path(config.trace).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read --trace {config.trace}: {e.strerror or e}") from e
-    rows = [_trace_row(line, f"{config.trace}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
-    rows.sort(key=lambda r: r.timestamp_ms)
-    end_s = math.inf if config.trace_duration_s is None else config.trace_start_s + config.trace_duration_s
-    window = [r for r in rows if config.trace_start_s <= r.timestamp_ms / 1e3 < end_s]
-    if config.trace_conversations is not None:
-        window = conversations(rows, window, config.trace_conversations)
-    if not window:
-        raise ValueError(f"no request of {config.trace} arrives in the window [{config.trace_start_s}, {end_s}) s")
-    return window[: config.max_requests]
-
-
-def conversations(rows: list[TraceRow], window: list[TraceRow], count: int) -> list[TraceRow]:
-    """Every request (of `rows`, in arrival order) of the first `count` conversations with more than
-    one request whose first request is in `window`; a conversation: the requests whose prompts begin
-    with the same two trace blocks."""
-    turns: dict[tuple[int, ...], list[TraceRow]] = {}
-    for row in rows:
-        turns.setdefault(row.hash_ids[:2], []).append(row)
-    starts = {id(row) for row in window}
-    chosen = [root for root, its in turns.items() if len(its) > 1 and len(root) == 2 and id(its[0]) in starts]
-    chosen.sort(key=lambda root: turns[root][0].timestamp_ms)
-    return sorted((row for root in chosen[:count] for row in turns[root]), key=lambda r: r.timestamp_ms)
-
-
-@dataclass(frozen=True)
-class BlockSource:
-    """The tokens of a trace block as a function of its hash id: prose cut from the corpus at an
-    offset seeded by the id, its first two tokens replaced by the id written in base len(alphabet),
-    since prose offsets alone collide (the trace has more ids than the corpus has offsets)."""
-
-    corpus: list[int]
-    alphabet: list[int]  # the corpus's own tokens, so that no special token appears
-    size: int
-    seed: int
-
-    @classmethod
-    def of(cls, corpus: list[int], size: int, seed: int) -> BlockSource:
-        if size > len(corpus):
-            raise ValueError(f"a block of {size} tokens is longer than the prompt corpus ({len(corpus)} tokens): lower --length-scale")
-        return cls(corpus, sorted(set(corpus)), size, seed)
-
-    def block(self, hash_id: int) -> list[int]:
-        start = random.Random(f"{self.seed}:{hash_id}").randrange(len(self.corpus) - self.size + 1)
-        n = len(self.alphabet)
-        tag = [self.alphabet[hash_id % n], self.alphabet[hash_id // n % n]]
-        return (tag + self.corpus[start + 2 : start + self.size])[: self.size]
-
-
-def scaled_lengths(row: TraceRow, scale: float, block: int, max_context: int) -> tuple[int, int, bool]:
-    """(prompt, output) tokens after scaling, cut to fit the context, and whether they were cut.
-    Full blocks scale to `block` tokens, the partial last one by `scale`; output >= 2 for TPOT."""
-    last = row.input_length - TRACE_BLOCK * (len(row.hash_ids) - 1)
-    prompt = block * (len(row.hash_ids) - 1) + max(1, round(last * scale))
-    output = max(2, round(row.output_length * scale))
-    fitted_output = min(output, max_context - 1)
-    fitted_prompt = min(prompt, max_context - fitted_output)
-    return fitted_prompt, fitted_output, (fitted_prompt, fitted_output) != (prompt, output)
-
-
 def trace_requests(config: ServeBenchConfig, rows: list[TraceRow], corpus: list[int], max_context: int) -> tuple[list[BenchRequest], int]:
     """The replayed requests and how many were cut to fit the context."""
     source = BlockSource.of(corpus, trace_block_size(config.length_scale), config.seed)
@@ -256,10 +168,6 @@ def trace_requests(config: ServeBenchConfig, rows: list[TraceRow], corpus: list[
         requests.append(BenchRequest(prompt, output_len, arrival_s, ids))
         cut += was_cut
     return requests, cut
-
-
-def trace_block_size(length_scale: float) -> int:
-    return max(1, round(TRACE_BLOCK * length_scale))
 
 
 def potential_hit_rate(requests: list[BenchRequest], block: int) -> tuple[float, float]:
@@ -430,7 +338,15 @@ def _trace_plan(config: ServeBenchConfig, rows: list[TraceRow], corpus: list[int
 
 def run(config: ServeBenchConfig) -> dict:
     config.check()
-    rows = load_trace(config) if config.trace else []  # a bad file is refused before the server is asked
+    rows = []
+    if config.trace:  # a bad file is refused before the server is asked
+        rows = load_trace(
+            config.trace,
+            start_s=config.trace_start_s,
+            duration_s=config.trace_duration_s,
+            conversation_count=config.trace_conversations,
+            max_requests=config.max_requests,
+        )
     headers = _headers(resolve_api_key(config.api_key_file))
     card = _model_card(config, headers)
     corpus = prose_corpus()

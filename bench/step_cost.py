@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten
 from pulseinfer.bench.sync_proxy import DeviceTracker, place_on_device
 from pulseinfer.common.model.meta import load_model_config
 from pulseinfer.engine import Engine, EngineConfig
-from pulseinfer.gpu_check import geometry_dir, materialized
+from pulseinfer.gpu_check.fixtures import geometry_dir, materialized
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import LoadedModel, load_model, weight_shapes
 from pulseinfer.gpu_worker.offload.config import OffloadConfig

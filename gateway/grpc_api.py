@@ -7,7 +7,7 @@ import re
 import grpc
 
 from pulseinfer.gateway.core import FINISH_NAMES, Delta, GatewayCore, GenerationError, Prepared, Prompt, key_matches
-from pulseinfer.gateway.openai_api import CHAT_ROLES
+from pulseinfer.gateway.openai_requests import CHAT_ROLES
 from pulseinfer.messages.wire import logprobs_to_proto, params_from_proto
 from pulseinfer.proto.pulseinfer.v1 import generate_pb2, generate_pb2_grpc
 

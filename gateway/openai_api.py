@@ -1,10 +1,8 @@
 """OpenAI request bodies -> (prompt ids, SamplingParams), and the response objects back.
 
-The bodies are pydantic models (strict: JSON true is no number, NaN no float) that forbid any
-field they do not declare, so nothing a client sends is silently ignored: a field is either
-implemented, accepted only at its neutral value (the value that asks for nothing, as a client
-library may send it), accepted and ignored on purpose (it does not change the output),
-or refused with a 400 naming it (README "OpenAI API parameters").
+The bodies are validated against their pydantic models (gateway/openai_requests.py), which
+forbid any field they do not declare; the fields accepted only at their neutral value are
+checked here.
 
 Every problem is an ApiError with the HTTP status and an OpenAI-style error body; nothing
 here raises anything else on any JSON input.
@@ -16,20 +14,24 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from pulseinfer.gateway.core import Prompt
-from pulseinfer.gateway.structured import (
-    ForcedToolCalls,
-    ResponseFormat,
-    Structured,
-    StructuredError,
-    StructuredOutputs,
-    forced_tool_schema,
-    structured_of,
+from pulseinfer.gateway.openai_requests import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    NamedToolChoice,
+    SamplingRequest,
+    StrictBody,
+    TokenizeRequest,
+    Tool,
+    ToolCall,
 )
+from pulseinfer.gateway.structured import ForcedToolCalls, Structured, StructuredError, forced_tool_schema, structured_of
 from pulseinfer.messages.limits import MAX_STOP_STRINGS
 from pulseinfer.messages.sampling import SamplingParams
 
@@ -53,129 +55,6 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
-
-
-class StreamOptions(_Body):
-    include_usage: bool | None = None
-
-
-ChatRole = Literal["system", "user", "assistant", "tool"]
-CHAT_ROLES = get_args(ChatRole)
-
-
-class FunctionCall(_Body):
-    name: str = Field(min_length=1)
-    arguments: str  # JSON text of an object, as OpenAI sends it
-
-
-class ToolCall(_Body):
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
-
-
-class ChatMessage(_Body):
-    role: ChatRole
-    content: Any = None  # a string or an array of text parts (checked with its index, for the error's param)
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls
-    tool_call_id: str | None = None  # a tool's answer: to which call
-
-
-class Function(_Body):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
-
-
-class Tool(_Body):
-    type: Literal["function"]
-    function: Function
-
-
-class NamedToolChoice(_Body):
-    class Name(_Body):
-        name: str
-
-    type: Literal["function"]
-    function: Name
-
-
-class _Request(_Body):
-    """The fields completions and chat share. None: the client did not send it (or sent null)."""
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM's extension, as ignore_eos, stop_token_ids, min_p and min_tokens
-    min_p: float | None = None
-    min_tokens: int | None = None
-    seed: int | None = None
-    stop: Any = None  # a string or an array of them
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's extension
-    logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob, with this many alternatives
-    skip_special_tokens: bool | None = None  # vLLM's extensions, as include_stop_str_in_output
-    include_stop_str_in_output: bool | None = None
-    response_format: ResponseFormat | None = None  # OpenAI's (chat); completions too, as vLLM's
-    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice, grammar
-    # accepted and ignored on purpose: OpenAI's bookkeeping and routing hints, which do not change the output
-    user: str | None = None
-    service_tier: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-
-
-class CompletionRequest(_Request):
-    prompt: Any  # a string, an array of token ids, or an array of either
-    best_of: int | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    logprobs: int | None = None
-
-
-class ChatRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: e.g. Qwen3's enable_thinking
-
-
-class TokenizeRequest(_Body):
-    """vLLM's POST /tokenize: a prompt, or chat messages rendered by the model's template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template writes its own)
-    add_generation_prompt: bool = True
-    tools: list[Tool] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class DetokenizeRequest(_Body):
-    """vLLM's POST /detokenize."""
-
-    model: str | None = None
-    tokens: list[int]
 
 
 @dataclass(frozen=True)
@@ -229,7 +108,7 @@ def parse_body(raw: bytes) -> dict:
 def parse_completion(body: dict, default_max_tokens: int) -> ParsedRequest:
     """`echo` with `logprobs` scores the prompt too (its first token has none), as OpenAI's legacy API does."""
     request = _validated(CompletionRequest, body)
-    echo = _or(request.echo, False)
+    echo = _given_or(request.echo, False)
     prompt_logprobs = request.logprobs if echo and request.logprobs is not None else request.prompt_logprobs
     return _parsed(
         request, _completion_prompts(request.prompt), default_max_tokens, request.max_tokens, request.logprobs, prompt_logprobs, echo
@@ -241,7 +120,7 @@ def parse_chat(body: dict, default_max_tokens: int) -> ParsedRequest:
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     if request.top_logprobs is not None and not request.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    logprobs = _or(request.top_logprobs, 0) if request.logprobs else None
+    logprobs = _given_or(request.top_logprobs, 0) if request.logprobs else None
     prompt = _chat_prompt(request.messages, request.tools, request.chat_template_kwargs)
     parsed = _parsed(request, (prompt,), default_max_tokens, max_tokens, logprobs, request.prompt_logprobs)
     names = frozenset(tool.function.name for tool in request.tools or ())
@@ -299,16 +178,16 @@ def parse_tokenize(body: dict, render_chat) -> TokenizeText:
     if (request.prompt is None) == (request.messages is None):
         raise ApiError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     if request.prompt is not None:
-        return TokenizeText(_text(request.prompt, "prompt"), _or(request.add_special_tokens, True))
+        return TokenizeText(_text(request.prompt, "prompt"), _given_or(request.add_special_tokens, True))
     prompt = _chat_prompt(request.messages, request.tools, request.chat_template_kwargs)
-    return TokenizeText(render_chat(prompt, request.add_generation_prompt), _or(request.add_special_tokens, False))
+    return TokenizeText(render_chat(prompt, request.add_generation_prompt), _given_or(request.add_special_tokens, False))
 
 
 def parse_detokenize(body: dict) -> list[int]:
     return _validated(DetokenizeRequest, body).tokens
 
 
-def _validated(model: type[_Body], body: dict) -> _Body:
+def _validated(model: type[StrictBody], body: dict) -> StrictBody:
     """The body as `model`, its fields beyond the implemented ones at their neutral values."""
     try:
         request = model.model_validate(body)
@@ -328,14 +207,14 @@ def _api_error(error: dict) -> ApiError:
     """One pydantic error as a 400 naming the field: messages[0].role, stream_options.include_usage."""
     param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
     if error["type"] == "extra_forbidden":
-        return ApiError(400, f"'{param}' is not supported by this server (README: OpenAI API parameters)", param=param)
+        return ApiError(400, f"'{param}' is not supported by this server (docs/api.md: OpenAI API parameters)", param=param)
     if error["type"] == "missing":
         return ApiError(400, f"'{param}' is required", param=param)
     return ApiError(400, f"'{param}': {error['msg']}", param=param)
 
 
 def _parsed(
-    request: _Request,
+    request: SamplingRequest,
     prompts: tuple[Prompt, ...],
     default_max_tokens: int,
     max_tokens: int | None,
@@ -343,31 +222,31 @@ def _parsed(
     prompt_logprobs: int | None,
     echo: bool = False,
 ) -> ParsedRequest:
-    n = _or(request.n, 1)
+    n = _given_or(request.n, 1)
     if not 1 <= n <= MAX_CHOICES // len(prompts):
         raise ApiError(400, f"'n' must be in [1, {MAX_CHOICES // len(prompts)}]: at most {MAX_CHOICES} choices a request", param="n")
     params = SamplingParams(
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        temperature=_or(request.temperature, 1.0),
-        top_p=_or(request.top_p, 1.0),
-        top_k=_or(request.top_k, 0),
+        temperature=_given_or(request.temperature, 1.0),
+        top_p=_given_or(request.top_p, 1.0),
+        top_k=_given_or(request.top_k, 0),
         seed=request.seed,
         stop=_stop(request.stop),
         stop_token_ids=tuple(request.stop_token_ids or ()),
-        ignore_eos=_or(request.ignore_eos, False),
-        min_p=_or(request.min_p, 0.0),
-        min_tokens=_or(request.min_tokens, 0),
+        ignore_eos=_given_or(request.ignore_eos, False),
+        min_p=_given_or(request.min_p, 0.0),
+        min_tokens=_given_or(request.min_tokens, 0),
         logit_bias=_logit_bias(request.logit_bias or {}),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=_or(request.skip_special_tokens, True),
-        include_stop_str_in_output=_or(request.include_stop_str_in_output, False),
-        presence_penalty=_or(request.presence_penalty, 0.0),
-        frequency_penalty=_or(request.frequency_penalty, 0.0),
-        repetition_penalty=_or(request.repetition_penalty, 1.0),
+        skip_special_tokens=_given_or(request.skip_special_tokens, True),
+        include_stop_str_in_output=_given_or(request.include_stop_str_in_output, False),
+        presence_penalty=_given_or(request.presence_penalty, 0.0),
+        frequency_penalty=_given_or(request.frequency_penalty, 0.0),
+        repetition_penalty=_given_or(request.repetition_penalty, 1.0),
         structured=_structured(lambda: structured_of(request.response_format, request.structured_outputs)),
     )
-    stream = _or(request.stream, False)
+    stream = _given_or(request.stream, False)
     if stream and request.prompt_logprobs is not None:
         raise ApiError(
             400,
@@ -376,7 +255,7 @@ def _parsed(
         )
     if request.stream_options is not None and not stream:
         raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
-    include_usage = request.stream_options is not None and _or(request.stream_options.include_usage, False)
+    include_usage = request.stream_options is not None and _given_or(request.stream_options.include_usage, False)
     structured = "response_format" if request.response_format is not None else "structured_outputs"
     return ParsedRequest(prompts, n, params, echo, max_tokens is not None, stream, include_usage, fields={"structured": structured})
 
@@ -388,7 +267,8 @@ def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted((int(key), value) for key, value in bias.items()))
 
 
-def _or(value: Any, default: Any) -> Any:
+def _given_or(value: Any, default: Any) -> Any:
+    """The value the client gave, or `default` where it gave none (left the field out, or sent null)."""
     return default if value is None else value
 
 

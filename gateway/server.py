@@ -41,7 +41,7 @@ class GatewayConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request leaves max_tokens out (capped by the context)
     max_request_bytes: int = MAX_REQUEST_BYTES  # larger HTTP bodies get 413 before they are read
     # chat outputs divided into reasoning_content, content and tool_calls: qwen3 (<think> and hermes
-    # <tool_call>), hermes, llama3_json, none; auto: the model family's (README "Tool calls and reasoning")
+    # <tool_call>), hermes, llama3_json, none; auto: the model family's (docs/api.md "Tool calls and reasoning")
     chat_parser: str = "auto"
     router: RouterConfig = field(default_factory=RouterConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)  # mutual TLS to the nodes (their --listen)

@@ -43,9 +43,10 @@ def _without(plan: StepPlan, failed: dict[str, str]) -> StepPlan:
 
 
 @dataclass(frozen=True)
-class Launched:
-    """A step whose forward has started: `wait` returns its outcome; `ends_at` (perf_counter) is
-    when the forward is expected to end, 0 when it has ended (or is not known)."""
+class PendingOutcome:
+    """The outcome of a step whose forward has started (what a runner's launch() returns): `wait`
+    returns it; `ends_at` (perf_counter) is when the forward is expected to end, 0 when it has
+    ended (or is not known)."""
 
     wait: Callable[[], StepOutcome]
     ends_at: float = 0.0
@@ -193,10 +194,10 @@ class ModelRunner:
 
     launches_async = False  # launch() runs the step: its Python drives every kernel and waits for the sampled tokens
 
-    def launch(self, plan: StepPlan) -> Launched:
+    def launch(self, plan: StepPlan) -> PendingOutcome:
         """The worker's step (gpu_worker/server.py StepRunner): run now, its outcome handed back."""
         outcome = self.execute(plan)
-        return Launched(lambda: outcome)
+        return PendingOutcome(lambda: outcome)
 
     def execute(self, plan: StepPlan, pick: Pick | None = None) -> StepOutcome:
         """Runs one step. `pick` chooses each sampled chunk's token from its logits (default: the

@@ -24,7 +24,7 @@ from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
 from pulseinfer.gpu_worker.offload.manager import OffloadManager
 from pulseinfer.gpu_worker.requests import RequestTable, Staged
-from pulseinfer.gpu_worker.runner import Launched, poisons_device
+from pulseinfer.gpu_worker.runner import PendingOutcome, poisons_device
 from pulseinfer.messages.plan import StepOutcome, StepPlan
 from pulseinfer.messages.wire import recall_to_proto
 from pulseinfer.proto.pulseinfer.v1 import worker_pb2
@@ -70,7 +70,7 @@ class StepRunner(Protocol):
     # step's result meanwhile. False: launch() runs the step, so that result goes out before it.
     launches_async: bool
 
-    def launch(self, plan: StepPlan) -> Launched:
+    def launch(self, plan: StepPlan) -> PendingOutcome:
         """Starts the step."""
         ...
 
@@ -88,13 +88,14 @@ class StepRunner(Protocol):
 
 
 @dataclass(frozen=True)
-class Started:
-    """A step whose forward was launched (or that failed before it could be)."""
+class StepInFlight:
+    """What the worker holds of a step it started, until finish() records it: its forward launched
+    (or failed before it could be, the failure then raised by `outcome.wait`)."""
 
     step_id: int
     refused: dict[int, str]  # chunks the request table could not build, by handle
-    started: float
-    launched: Launched
+    started: float  # perf_counter at the launch
+    outcome: PendingOutcome
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,11 @@ def _send(socket: zmq.Socket, result: worker_pb2.StepResult) -> None:
     socket.send(worker_pb2.WorkerMessage(result=result).SerializeToString())
 
 
-def _raise(error: Exception) -> Launched:
+def _raise(error: Exception) -> PendingOutcome:
     def wait() -> StepOutcome:
         raise error
 
-    return Launched(wait)
+    return PendingOutcome(wait)
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
             return StageFailed(message.step_id, e)
 
-    def start(self, staged: Staged | StageFailed) -> Started:
+    def start(self, staged: Staged | StageFailed) -> StepInFlight:
         """Its decode rows built (the step before it recorded) and its forward launched; a failure
         here is the step's, reported by finish()."""
         started = time.perf_counter()
@@ -171,16 +172,16 @@ class Worker:
                 raise staged.error
             plan, refused = self.table.build(staged)
             started = time.perf_counter()
-            return Started(staged.step_id, refused, started, self.runner.launch(plan))
+            return StepInFlight(staged.step_id, refused, started, self.runner.launch(plan))
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
-            return Started(staged.step_id, {}, started, _raise(e))
+            return StepInFlight(staged.step_id, {}, started, _raise(e))
 
-    def finish(self, step: Started) -> worker_pb2.StepResult:
+    def finish(self, step: StepInFlight) -> worker_pb2.StepResult:
         """The step's outcome, recorded. Busy: from the launch to the outcome (the forward); idle: from
         the end of the previous step's forward to this launch (the plan in, the request table)."""
         result = worker_pb2.StepResult(step_id=step.step_id)
         try:
-            outcome = step.launched.wait()
+            outcome = step.outcome.wait()
             ended = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the worker
             log.exception("step %d failed", step.step_id)
@@ -263,10 +264,10 @@ class Worker:
                 _send(socket, unsent)
                 raise RuntimeError("the device can run nothing more: the worker restarts") from self.device_lost
 
-    def _plan_during(self, socket: zmq.Socket, step: Started) -> tuple[Staged | StageFailed | None, bool]:
+    def _plan_during(self, socket: zmq.Socket, step: StepInFlight) -> tuple[Staged | StageFailed | None, bool]:
         """The next plan, staged if it arrives before the step's forward is expected to end; and
         whether a shutdown came instead."""
-        while (left_ms := int((step.launched.ends_at - time.perf_counter()) * 1e3)) > 0:
+        while (left_ms := int((step.outcome.ends_at - time.perf_counter()) * 1e3)) > 0:
             if socket.poll(left_ms):
                 staged = self._receive(socket)
                 return staged, staged is None

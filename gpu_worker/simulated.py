@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pulseinfer.common.model.tokenizer import Tokenizer
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.kv_cache import KVCacheSpec
-from pulseinfer.gpu_worker.runner import Launched
+from pulseinfer.gpu_worker.runner import PendingOutcome
 from pulseinfer.messages.plan import Chunk, RecallStats, SampledToken, SamplingSpec, StepOutcome, StepPlan
 
 # each a single token of the usual BPE vocabularies (with its leading space); the tokenizer decides
@@ -74,7 +74,7 @@ class SimulatedRunner:
     def close(self) -> None:
         """Nothing to unmap: no cache, no host pool."""
 
-    def launch(self, plan: StepPlan) -> Launched:
+    def launch(self, plan: StepPlan) -> PendingOutcome:
         """The step's accounting, then a forward that ends step_ms after it began, on its own clock
         as a device's does: the worker's thread is free meanwhile and the returned call waits for
         the end. A step whose chunks all failed, or that only releases, runs no forward, as on a
@@ -83,7 +83,7 @@ class SimulatedRunner:
         failed = {c.seq_id: why for c in plan.chunks if (why := self.refusal(c)) is not None}
         runs = [c for c in plan.chunks if c.seq_id not in failed]
         if not runs:
-            return Launched(lambda: StepOutcome([], failed))
+            return PendingOutcome(lambda: StepOutcome([], failed))
         tokens = [SampledToken(c.seq_id, simulated_token(self.words, c.sampling)) for c in runs if c.sampling is not None]
 
         ends_at = started + self.step_s
@@ -92,7 +92,7 @@ class SimulatedRunner:
             time.sleep(max(0.0, ends_at - time.perf_counter()))
             return StepOutcome(tokens, failed, RecallStats(), self.step_s)
 
-        return Launched(wait, ends_at)
+        return PendingOutcome(wait, ends_at)
 
     def refusal(self, chunk: Chunk) -> str | None:
         """Why a real worker could not run the chunk with its block table, or None."""

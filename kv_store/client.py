@@ -46,7 +46,7 @@ def pid_namespace() -> str:
 def recall_target(shape: CacheShape, worker_id: int, dtype: str, cuda: pb.CudaCache | None = None) -> pb.OpenRecallTarget:
     """The request that opens a cache of this shape and element type (a name: "bfloat16") (the
     worker's cache segment, or exported from a CUDA device) as worker `worker_id`'s recall target
-    (kv_store/engine.py's shape_of reads it back)."""
+    (kv_store/io_engine.py's shape_of reads it back)."""
     return pb.OpenRecallTarget(worker_id=worker_id, cuda=cuda, dtype=dtype, **dataclasses.asdict(shape))
 
 

@@ -20,7 +20,7 @@ from pulseinfer.common.memory import check_fits
 from pulseinfer.kv_store.allocator import AllocatorCorrupt, PoolExhausted
 from pulseinfer.kv_store.client import io_address, pid_namespace
 from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES
-from pulseinfer.kv_store.engine import RecallEngine
+from pulseinfer.kv_store.io_engine import RecallEngine
 from pulseinfer.kv_store.layout import PoolGeometry
 from pulseinfer.kv_store.pool import SharedPool, pid_alive
 from pulseinfer.kv_store.prefix_cache import CACHE_OWNER, NAME_BYTES, HostBlocks

@@ -7,23 +7,22 @@ Pure Python, no I/O: the scheduler process and the in-process engine drive the s
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import deque
 from dataclasses import dataclass
 
 from pulseinfer.kv_store.allocator import BlockAllocator
-from pulseinfer.kv_store.prefix_cache import ROOT, HostPrefix, Observer, PrefixCache, chain_hashes, promotion_owner
+from pulseinfer.kv_store.prefix_cache import HostPrefix, Observer, PrefixCache, promotion_owner
 from pulseinfer.messages.limits import PREFILL_CHUNK
 from pulseinfer.messages.plan import PENDING_TOKEN, Admission, BlockNames, Chunk, RecallStats, SampledToken, StepPlan
 from pulseinfer.messages.sampling import FinishReason
 from pulseinfer.scheduler.admission import LinkModel
 from pulseinfer.scheduler.handles import Handles
+from pulseinfer.scheduler.placement import Placement
+from pulseinfer.scheduler.prefix_reuse import PrefixReuse
 from pulseinfer.scheduler.request import SeqStatus, Sequence
 
 OFFLOAD_POLICIES = ("never", "auto", "always")
 PREFIX_CACHE = ("on", "off")
-
-log = logging.getLogger("scheduler")
 
 
 class QueueFull(RuntimeError):
@@ -60,7 +59,7 @@ class BatcherConfig:
     # prefill: a request's prompt logprobs come from its prefill chunks (dense attention, as the anchors
     # compute them). decode: its prompt tokens from position --score-from on run one per step as decode
     # rows of the serving mode (sparse selection, offloaded KV), teacher-forced, so a loglikelihood eval
-    # measures the sparse path; a step per token (README "Logprobs")
+    # measures the sparse path; a step per token (docs/api.md "Logprobs")
     score_prompt_with: str = "prefill"
     score_from: int = 0
 
@@ -89,7 +88,11 @@ class ModelLimits:
     window_history: bool = False
 
 
-class Batcher:
+class Batcher(PrefixReuse, Placement):
+    """Admission, each step's plan and the results that come back; the prefix cache's side
+    (scheduler/prefix_reuse.py) and where a request runs and the blocks it holds
+    (scheduler/placement.py) are mixed in."""
+
     def __init__(
         self,
         config: BatcherConfig,
@@ -98,8 +101,8 @@ class Batcher:
         host: HostPrefix | None = None,
         observer: Observer | None = None,
     ):
-        """`observer`: told each block name the device prefix cache stores or drops (the node's block events)."""
-        """`host`: the host tier's prefix cache, which offloaded requests reuse (None: they do not)."""
+        """`host`: the host tier's prefix cache, which offloaded requests reuse (None: they do not).
+        `observer`: told each block name the device prefix cache stores or drops (the node's block events)."""
         self.config = config
         self.limits = limits
         self.allocator = allocator
@@ -370,234 +373,6 @@ class Batcher:
                 out.append(BlockNames(seq.seq_id, seq.handle, seq.num_host_named, tuple(names)))
                 seq.num_host_named = full
         return tuple(out)
-
-    # ------------------------------------------------------------ prefix cache
-
-    def _names(self, seq: Sequence, count: int, first: int = 0) -> tuple[bytes, ...]:
-        """The prefix-cache names of the sequence's full blocks first..count-1 (computed once; a
-        caller that wants only the new ones says so: at 32k tokens there are 2048)."""
-        have, size = len(seq.block_names), self.limits.block_size
-        if count > have:
-            parent = seq.block_names[-1] if have else ROOT
-            seq.block_names += tuple(chain_hashes(list(seq.ids(have * size, count * size)), size, 0, count - have, parent))
-        return seq.block_names[first:count]
-
-    def cached_prefix_blocks(self, seq: Sequence) -> int:
-        """Full blocks of the request's longest cached prefix a resident placement would reuse.
-        Placement across workers prefers the most."""
-        if self.prefix is None:
-            return 0
-        return len(self.prefix.match(self._reusable_names(seq)))
-
-    def _reusable_names(self, seq: Sequence) -> tuple[bytes, ...]:
-        """Names of the full blocks a placement may reuse: all but the last token's (its logits
-        sample the first output token, so it is always computed); none while it scores its prompt
-        (every prompt row's logits are taken: the prompt is computed whole)."""
-        if seq.scores_prompt:
-            return ()
-        return self._names(seq, (seq.length - 1) // self.limits.block_size)
-
-    def _reuse_prefix(self, seq: Sequence, budget: int) -> tuple[int, ...]:
-        """A request placed resident starts from the device blocks of its longest cached prefix, and
-        the host blocks it goes on with (returned), which its worker promotes into its next device
-        blocks: a host hit costs their bytes over the link, far less than computing them (README
-        "Prefix caching"). The host tier is asked only once the device has room for a first chunk."""
-        if self.prefix is None:
-            return ()
-        names = self._reusable_names(seq)
-        count = len(self.prefix.acquire(seq.seq_id, names))
-        room = self._grow(seq, min(seq.length, count * self.limits.block_size + budget))
-        promoted = self._promote(seq, names[count:]) if room else ()
-        seq.num_cached = seq.num_computed = (count + len(promoted)) * self.limits.block_size
-        seq.num_named = count  # the promoted blocks are named in the device tier once copied (at the step's result)
-        return promoted
-
-    def _promote(self, seq: Sequence, names: tuple[bytes, ...]) -> tuple[int, ...]:
-        """Host blocks of the longest prefix of `names` the host tier caches, held for the promotion."""
-        if not self.hierarchy or not names or seq.seq_id in self._releasing:  # an earlier promotion of it is in flight
-            return ()
-        return tuple(self.host.acquire(promotion_owner(seq.seq_id), list(names)))
-
-    def _awaits_demotion(self, seq: Sequence) -> bool:
-        """Whether the block its cached prefix goes on with, past the device tier's, is being demoted:
-        it waits a step or two for the host tier to have it rather than compute it (FCFS: the
-        requests behind it wait too)."""
-        if not self._demoting:
-            return False
-        names = self._reusable_names(seq)
-        device = len(self.prefix.match(names))
-        return device < len(names) and names[device] in self._demoting
-
-    def _reuse_host_prefix(self, seq: Sequence) -> tuple[int, ...]:
-        """A request placed offloaded starts from the host blocks of its longest cached prefix, held
-        for it from now on (the worker frees them with the request's own)."""
-        if self.host is None or seq.seq_id in self._releasing:  # its worker frees what it held first: nothing may be taken before
-            return ()
-        blocks = tuple(self.host.acquire(seq.seq_id, self._reusable_names(seq)))
-        seq.num_cached = seq.num_computed = len(blocks) * self.limits.block_size
-        return blocks
-
-    def _host_cached_blocks(self, seq: Sequence) -> int:
-        """Blocks of the request's prefix the host tier had cached when first asked (an estimate for
-        admission: asked once per request, not at every step it waits)."""
-        if self.host is None:
-            return 0
-        if seq.host_cached_blocks is None:
-            seq.host_cached_blocks = self.host.match(self._reusable_names(seq))
-        return seq.host_cached_blocks
-
-    def _record_prefix_hit(self, seq: Sequence, cached: int, from_host: int) -> None:
-        """The prompt tokens a request found cached (either tier; `from_host` of them in the host
-        tier's) when it was first placed, as reported and counted."""
-        if self.prefix is None or seq.cached_tokens is not None:
-            return
-        seq.cached_tokens = min(cached, len(seq.prompt_ids))
-        self.prefix.stats.queried_tokens += len(seq.prompt_ids)
-        self.prefix.stats.hit_tokens += seq.cached_tokens
-        self.prefix.stats.host_hit_tokens += min(from_host, seq.cached_tokens)
-
-    def _name_blocks(self, seq: Sequence) -> None:
-        """Gives the cache the resident sequence's full blocks computed since the last step."""
-        if self.prefix is None or seq.offloaded:
-            return
-        full = seq.num_computed // self.limits.block_size
-        if full > seq.num_named:
-            names = self._names(seq, full, seq.num_named)
-            self.prefix.insert(names, self.allocator.blocks_of(seq.seq_id)[seq.num_named : full])
-            seq.num_named = full
-
-    def _evict(self, count: int) -> None:
-        """Evicts cached device blocks no request holds; with the hierarchy they are demoted, by the
-        next plan's worker before its step writes (the blocks may be granted in that very plan)."""
-        evicted = self.prefix.evict(count)
-        if self.hierarchy:
-            self._demote += [(block, name) for name, block in evicted]
-            self._demoting.update((name, None) for name, _ in evicted)
-            self.prefix.stats.demoted_blocks += len(evicted)
-
-    def _free_blocks(self) -> int:
-        """Device blocks an allocation can have: the free ones and those only the prefix cache holds."""
-        return self.allocator.num_free + (self.prefix.evictable() if self.prefix is not None else 0)
-
-    def drop_prefix_cache(self) -> int:
-        """Forgets every cached block; returns the blocks freed (those no request holds)."""
-        return self.prefix.clear() if self.prefix is not None else 0
-
-    # ------------------------------------------------------------ placement
-
-    def _place(self, seq: Sequence) -> bool:
-        """Decides whether the request at the head of the queue runs resident or offloaded; False
-        when it must wait because its recall would not hide behind compute (and it cannot be resident)."""
-        seq.offloaded = self._should_offload(seq)
-        if not seq.offloaded or self.config.offload != "auto":
-            return True
-        running = sum(1 for s in self.running if s.offloaded)
-        if running == 0 or self.link.hides(running + 1, len(self.running) + 1):
-            return True
-        if self._new_blocks(seq) <= self._free_blocks():
-            seq.offloaded = False
-            return True
-        if seq.seq_id not in self._held:
-            self._held.add(seq.seq_id)
-            self.num_held_for_link += 1
-            log.info("request %s waits: %d offloaded requests' recall would not hide behind compute", seq.seq_id, running + 1)
-        return False
-
-    def _should_offload(self, seq: Sequence) -> bool:
-        """Resident while the device pool holds the request; offloaded when it cannot, or (auto) when
-        the waiting requests do not all fit and it is among the longest, which free the most blocks."""
-        if not self._can_offload:
-            return False
-        if self.config.offload == "always":
-            return True
-        new = self._new_blocks(seq)
-        if new <= self.limits.offload_blocks:
-            return False  # offloading would not save a block (a long cached prefix costs a resident request none)
-        return new > self._free_blocks() or seq.seq_id in self._longest_under_pressure()
-
-    def _longest_under_pressure(self) -> set[str]:
-        """The longest waiting requests, just enough of them that the others fit resident in the
-        free device pool when these hold only their offloaded footprint; empty without pressure.
-        Those whose prefix the host tier caches beyond the device's go first: offloaded, they
-        compute only the rest."""
-        demand = sum(self._new_blocks(s) for s in self.waiting)
-        free = self._free_blocks()
-        if demand <= free:
-            return set()
-        chosen: set[str] = set()
-
-        def cheap_then_longest(seq: Sequence) -> tuple[bool, int]:
-            return self._host_cached_blocks(seq) > self.cached_prefix_blocks(seq), self._new_blocks(seq)
-
-        for seq in sorted(self.waiting, key=cheap_then_longest, reverse=True):
-            if demand <= free:
-                break
-            if self._new_blocks(seq) <= self.limits.offload_blocks:
-                continue  # offloading it would not save a block
-            demand -= self._new_blocks(seq) - self.limits.offload_blocks
-            chosen.add(seq.seq_id)
-        return chosen
-
-    def _whole_blocks(self, seq: Sequence) -> int:
-        """Device blocks the request needs to run resident to its end."""
-        final = min(len(seq.prompt_ids) + seq.params.max_tokens, self.limits.max_position)
-        return -(-final // self.limits.block_size)
-
-    def _new_blocks(self, seq: Sequence) -> int:
-        """Device blocks the request needs to run resident to its end beyond those it would reuse."""
-        return self._whole_blocks(seq) - self.cached_prefix_blocks(seq)
-
-    def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
-        have = self.allocator.count_of(seq.seq_id)
-        if seq.offloaded:  # a fixed footprint, whatever the length
-            return self.limits.offload_blocks - have
-        return max(0, -(-tokens // self.limits.block_size) - have)
-
-    def _grow(self, seq: Sequence, tokens: int) -> bool:
-        need = self._blocks_needed(seq, tokens)
-        if need <= 0:
-            return True
-        if need > self.allocator.num_free and self.prefix is not None:
-            self._evict(need - self.allocator.num_free)
-        if not self.allocator.can_allocate(need):
-            return False
-        self.allocator.allocate(seq.seq_id, need)
-        return True
-
-    def _reserve(self, seq: Sequence, tokens: int) -> bool:
-        """Grows a decoding sequence, preempting the newest others (recompute later) if needed."""
-        while not self._grow(seq, tokens):
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        return True
-
-    def _release_blocks(self, seq: Sequence) -> None:
-        self.allocator.release(seq.seq_id)
-        seq.num_cached = seq.num_computed = seq.num_named = 0
-        seq.block_table = ()
-
-    def _release(self, seq: Sequence) -> None:
-        """Frees its blocks and ends its admission on its worker; tokens of its steps in flight are dropped."""
-        self.allocator.release(seq.seq_id)
-        if self.prefix is not None:  # what it leaves cached ages from now, its tail first
-            self.prefix.touch(seq.block_names[: seq.num_named])
-        if seq.handle >= 0:
-            self.handles.end(seq)
-            if seq.offloaded or self.limits.max_running:  # the worker holds state of its own for it
-                self.released.append(seq.seq_id)
-                self._releasing[seq.seq_id] = None
-        seq.num_pending, seq.block_table = 0, ()
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self._release(seq)
-        seq.num_cached = seq.num_computed = seq.num_named = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

@@ -1,7 +1,7 @@
-"""The scheduler's engine loop over N workers, free of sockets.
+"""The scheduler's core over N workers, free of sockets: requests in, step plans out, results back.
 
 Each worker has its own device KV pool, hence its own batcher and allocator. A request is
-placed on the least loaded live worker. With overlapped scheduling (DESIGN.md §10) each worker
+placed on the least loaded live worker. With overlapped scheduling (docs/architecture.md) each worker
 has two steps in flight: while it runs one, the next is already queued at it, planned before the
 running step's tokens are known (its worker feeds them forward), so the worker never waits on the
 scheduler; without it, a worker's next step is planned when its result arrives. New requests join
@@ -65,7 +65,7 @@ class SchedulerConfig:
     kv_store: str = "tcp://127.0.0.1:5560"
     worker_timeout_s: float = 3.0  # no heartbeat for this long: the worker is dead
     # on: each worker's next plan is queued while it runs a step, so it never waits on the scheduler
-    # (DESIGN.md §10); off: a worker's next step is planned when its result arrives
+    # (docs/architecture.md); off: a worker's next step is planned when its result arrives
     overlap: str = "on"
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
 

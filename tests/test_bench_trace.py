@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pulseinfer.bench import serve
-from pulseinfer.bench.serve import BlockSource, RequestResult, ServeBenchConfig, TraceRow
+from pulseinfer.bench.mooncake import BlockSource, TraceRow, load_trace, scaled_lengths, trace_block_size
+from pulseinfer.bench.serve import RequestResult, ServeBenchConfig
 
 CORPUS = list(range(100, 5100))  # distinct tokens: two blocks are equal only where the same offset was cut
 
@@ -25,7 +26,14 @@ def write_trace(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> str:
 def plan(tmp_path: Path, rows, max_context: int = 100_000, **settings) -> list[serve.BenchRequest]:
     config = ServeBenchConfig(trace=write_trace(tmp_path / "trace.jsonl", rows), **settings)
     config.check()
-    return serve.trace_requests(config, serve.load_trace(config), CORPUS, max_context)[0]
+    rows = load_trace(
+        config.trace,
+        start_s=config.trace_start_s,
+        duration_s=config.trace_duration_s,
+        conversation_count=config.trace_conversations,
+        max_requests=config.max_requests,
+    )
+    return serve.trace_requests(config, rows, CORPUS, max_context)[0]
 
 
 SIX = [(1000 * i, 600, 8, [2 * i, 2 * i + 1]) for i in range(6)]  # one arrival a second of trace time
@@ -61,11 +69,11 @@ def test_arrivals_are_divided_by_the_time_scale(tmp_path):
 
 def test_lengths_scale_by_block_and_are_cut_to_fit_the_context():
     row = TraceRow(0, 1100, 300, (1, 2, 3))  # two full blocks and 76 tokens
-    assert serve.scaled_lengths(row, 0.5, 256, 10_000) == (2 * 256 + 38, 150, False)
-    assert serve.scaled_lengths(row, 0.5, 256, 600) == (450, 150, True)  # the prompt loses its tail, the output stays
-    assert serve.scaled_lengths(TraceRow(0, 10, 1, (1,)), 0.01, 5, 100) == (1, 2, False)  # >= 1 prompt token, >= 2 outputs for TPOT
-    assert serve.scaled_lengths(TraceRow(0, 10, 2000, (1,)), 1.0, 512, 1000) == (1, 999, True)
-    assert serve.trace_block_size(0.25) == 128 and serve.trace_block_size(0.0001) == 1
+    assert scaled_lengths(row, 0.5, 256, 10_000) == (2 * 256 + 38, 150, False)
+    assert scaled_lengths(row, 0.5, 256, 600) == (450, 150, True)  # the prompt loses its tail, the output stays
+    assert scaled_lengths(TraceRow(0, 10, 1, (1,)), 0.01, 5, 100) == (1, 2, False)  # >= 1 prompt token, >= 2 outputs for TPOT
+    assert scaled_lengths(TraceRow(0, 10, 2000, (1,)), 1.0, 512, 1000) == (1, 999, True)
+    assert trace_block_size(0.25) == 128 and trace_block_size(0.0001) == 1
 
 
 def test_a_cut_prompt_keeps_only_the_ids_of_its_remaining_blocks(tmp_path):
@@ -142,12 +150,12 @@ def test_bad_settings_are_refused(settings, message):
 def test_malformed_lines_are_refused_with_their_line_number(tmp_path, lines, message):
     (tmp_path / "trace.jsonl").write_text(lines)
     with pytest.raises(ValueError, match=message):
-        serve.load_trace(ServeBenchConfig(trace=str(tmp_path / "trace.jsonl")))
+        load_trace(str(tmp_path / "trace.jsonl"))
 
 
 def test_a_missing_file_an_empty_window_and_a_block_longer_than_the_corpus_are_refused(tmp_path):
     with pytest.raises(ValueError, match="cannot read --trace .*nope.jsonl: No such file"):
-        serve.load_trace(ServeBenchConfig(trace=str(tmp_path / "nope.jsonl")))
+        load_trace(str(tmp_path / "nope.jsonl"))
     with pytest.raises(ValueError, match="no request of .* arrives in the window"):
         plan(tmp_path, SIX, trace_start_s=60.0)
     with pytest.raises(ValueError, match="longer than the prompt corpus"):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from pulseinfer.bench import control_plane as cp
+from pulseinfer.bench.stream_client import Timeline, parse_metrics, stream_all
 from pulseinfer.common.model.meta import load_model_meta
 from pulseinfer.gateway.http_api import _sse_line
 from pulseinfer.gateway.metrics import GatewayMetrics
@@ -101,20 +102,20 @@ def gateway_events(tokens: int) -> tuple[str, ...]:
 
 
 def test_timeline_reads_the_gateways_events():
-    timeline = cp.Timeline()
+    timeline = Timeline()
     kinds = [timeline.add(float(i), event) for i, event in enumerate(sse(*gateway_events(5)))]
     assert kinds == ["text"] * 4 + ["finish", None, None]
     assert timeline.events == [0.0, 1.0, 2.0, 3.0] and timeline.finished == 4.0 and timeline.completion_tokens == 5
     assert timeline.error is None
-    failed = cp.Timeline()
+    failed = Timeline()
     failed.add(0.0, b'data: {"error": {"message": "the worker failed", "code": "worker_failed"}}')
     assert failed.error == "the worker failed"
 
 
 def test_tpot_counts_tokens_from_usage_not_events():
-    merged = cp.Timeline(events=[1.0, 1.02, 1.04], finished=1.04, completion_tokens=5)  # 4 gaps of 10 ms in 2 events
+    merged = Timeline(events=[1.0, 1.02, 1.04], finished=1.04, completion_tokens=5)  # 4 gaps of 10 ms in 2 events
     assert merged.tpot_s == pytest.approx(0.01)
-    assert cp.Timeline(events=[1.0], completion_tokens=1).tpot_s is None
+    assert Timeline(events=[1.0], completion_tokens=1).tpot_s is None
 
 
 def test_percentile_interpolates_between_ranks():
@@ -125,9 +126,9 @@ def test_percentile_interpolates_between_ranks():
         cp.percentile([], 50)
 
 
-def timeline(first: float, steps: int, step_s: float = 0.01) -> cp.Timeline:
+def timeline(first: float, steps: int, step_s: float = 0.01) -> Timeline:
     events = [first + i * step_s for i in range(steps)]
-    return cp.Timeline(events=events, finished=events[-1], completion_tokens=steps)
+    return Timeline(events=events, finished=events[-1], completion_tokens=steps)
 
 
 def test_steady_window_is_from_the_last_first_token_to_the_first_finish():
@@ -162,7 +163,7 @@ def scrape_of(busy: float, idle: float, steps: int, steady: int, steady_bytes: i
     ]
     metrics.set_cluster(generate_pb2.SchedulerStats(workers_alive=2, workers=workers, cpu_s=cpu, overlap=True))
     metrics.generation_tokens.inc(tokens)
-    return cp.parse_metrics(metrics.render())
+    return parse_metrics(metrics.render())
 
 
 def test_window_stats_from_two_metrics_reads():
@@ -240,7 +241,7 @@ def test_streams_and_window_reads_against_a_fake_gateway(chunked):
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            return await cp.stream_all(port, [b"POST /v1/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}"] * 2)
+            return await stream_all(port, [b"POST /v1/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}"] * 2)
 
     timelines, start, end = asyncio.run(run())
     assert [len(t.events) for t in timelines] == [2, 2] and all(t.completion_tokens == 3 for t in timelines)

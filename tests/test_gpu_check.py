@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pulseinfer import gpu_check
-from pulseinfer.gpu_check import DRY_SIZES, GPU_SIZES, CheckConfig, picks_cuda, run_isolated, step_limit, syncs_over_limit
+from pulseinfer.gpu_check import steps as check_steps
+from pulseinfer.gpu_check.config import DRY_SIZES, GPU_SIZES, CheckConfig
+from pulseinfer.gpu_check.harness import run_isolated, step_limit
+from pulseinfer.gpu_check.steps import picks_cuda, syncs_over_limit
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -106,7 +108,7 @@ def test_the_wheelhouse_targets_every_cpython_from_the_projects_floor_to_3_13():
 
 def test_the_serving_and_recall_steps_run_before_the_benchmark():
     """A benchmark that hangs or runs out of time must not cost the checks of serving and CUDA IPC."""
-    assert [name for name, _ in gpu_check.STEPS] == list(STEPS)
+    assert [name for name, _ in check_steps.STEPS] == list(STEPS)
     assert STEPS.index("serve_stream") < STEPS.index("bench_decode") == len(STEPS) - 1
 
 

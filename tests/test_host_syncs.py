@@ -5,7 +5,7 @@ next layer ahead; pulseinfer.common.syncs.count_host_syncs counts them there (th
 and the `gpu` tests here). The other tests count what would be syncs on the CPU with
 pulseinfer.bench.sync_proxy.DeviceTracker (its docstring says how, and what it misses), at the
 package's sites (gpu_worker/'s are asserted on). A decode step may read the device once outside
-sampling (DESIGN.md section 6), and once per selection: its recall lists are made on the host (see
+sampling (docs/architecture.md), and once per selection: its recall lists are made on the host (see
 RowSelector.select).
 """
 
@@ -25,7 +25,7 @@ from pulseinfer.bench.sync_proxy import DeviceTracker
 from pulseinfer.common.model.meta import GEOMETRIES, ModelLoadError
 from pulseinfer.common.syncs import count_host_syncs, to_device, to_host
 from pulseinfer.engine import Engine, EngineConfig
-from pulseinfer.gpu_check import TOKENIZER_ENV, copy_tokenizer, materialized, tiny
+from pulseinfer.gpu_check.fixtures import TOKENIZER_ENV, copy_tokenizer, materialized, tiny
 from pulseinfer.gpu_worker.batch import build_batch
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import load_model
@@ -139,7 +139,7 @@ def _at(step: Counter, site: str) -> int:
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_decode_step_syncs_a_number_of_times_independent_of_its_layers(tracker, tiny_models, name):
-    """One transfer in the sampler, one per selection, and at most one elsewhere (DESIGN.md
+    """One transfer in the sampler, one per selection, and at most one elsewhere (docs/architecture.md
     section 6); what is not selection the same with 2 layers and with 4."""
     geometry, config = CONFIGS[name]
     runs = {layers: _decode_steps(_tracked(tracker), tiny_models[(geometry, layers)], "cpu", **config) for layers in (2, 4)}

@@ -27,7 +27,7 @@ from pulseinfer.kernels.gather_scatter import recall_ref
 from pulseinfer.kv_store.allocator import PoolExhausted
 from pulseinfer.kv_store.client import KVStoreClient, KVStoreUnavailable, RemoteRecall, recall_target
 from pulseinfer.kv_store.cuda_ipc import STAGING_BYTES, Staging, staged
-from pulseinfer.kv_store.engine import RecallEngine
+from pulseinfer.kv_store.io_engine import RecallEngine
 from pulseinfer.kv_store.layout import CacheShape, PoolGeometry, SegmentHeader, unit_bytes
 from pulseinfer.kv_store.prefix_cache import CACHE_OWNER, HostBlocks, demotion_owner
 from pulseinfer.kv_store.view import (

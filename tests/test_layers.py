@@ -123,7 +123,7 @@ def test_files_are_found():
     modules = project_files()
     assert "pulseinfer.kv_store.client" in modules and "pulseinfer.common.flags" in modules
     assert "pulseinfer.common.model" in modules and "pulseinfer.kv_store.layout" in modules
-    assert import_graph()["pulseinfer.kv_store.server"] >= {"pulseinfer.kv_store.engine", "pulseinfer.kv_store.pool"}
+    assert import_graph()["pulseinfer.kv_store.server"] >= {"pulseinfer.kv_store.io_engine", "pulseinfer.kv_store.pool"}
 
 
 def test_no_import_cycle():

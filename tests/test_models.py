@@ -15,7 +15,7 @@ from serving_cluster import ServingCluster
 
 from pulseinfer.common.model.meta import GEOMETRIES, ModelLoadError, gemma3_270m_path, hf_dir_config, load_model_meta
 from pulseinfer.engine import Engine, EngineConfig
-from pulseinfer.gpu_check import tiny
+from pulseinfer.gpu_check.fixtures import tiny
 from pulseinfer.gpu_worker.config import WorkerConfig
 from pulseinfer.gpu_worker.model.loader import DummyWeights, load_model, weight_shapes
 from pulseinfer.messages.sampling import SamplingParams

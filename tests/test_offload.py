@@ -14,7 +14,7 @@ from helpers import assert_device_idle, assert_host_idle
 
 from pulseinfer.common.model.meta import ModelLoadError
 from pulseinfer.engine import Engine, EngineConfig
-from pulseinfer.gpu_check import TOKENIZER_ENV, geometry_dir, materialized, random_prompts
+from pulseinfer.gpu_check.fixtures import TOKENIZER_ENV, geometry_dir, materialized, random_prompts
 from pulseinfer.gpu_worker import forward
 from pulseinfer.gpu_worker.batch import pad_tables
 from pulseinfer.gpu_worker.config import WorkerConfig
