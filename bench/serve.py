@@ -336,17 +336,22 @@ def _trace_plan(config: ServeBenchConfig, rows: list[TraceRow], corpus: list[int
     }
 
 
+def trace_rows(config: ServeBenchConfig) -> list[TraceRow]:
+    """The rows of the configured window of --trace (none without one)."""
+    if not config.trace:
+        return []
+    return load_trace(
+        config.trace,
+        start_s=config.trace_start_s,
+        duration_s=config.trace_duration_s,
+        conversation_count=config.trace_conversations,
+        max_requests=config.max_requests,
+    )
+
+
 def run(config: ServeBenchConfig) -> dict:
     config.check()
-    rows = []
-    if config.trace:  # a bad file is refused before the server is asked
-        rows = load_trace(
-            config.trace,
-            start_s=config.trace_start_s,
-            duration_s=config.trace_duration_s,
-            conversation_count=config.trace_conversations,
-            max_requests=config.max_requests,
-        )
+    rows = trace_rows(config)  # a bad file is refused before the server is asked
     headers = _headers(resolve_api_key(config.api_key_file))
     card = _model_card(config, headers)
     corpus = prose_corpus()

@@ -26,13 +26,7 @@ def write_trace(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> str:
 def plan(tmp_path: Path, rows, max_context: int = 100_000, **settings) -> list[serve.BenchRequest]:
     config = ServeBenchConfig(trace=write_trace(tmp_path / "trace.jsonl", rows), **settings)
     config.check()
-    rows = load_trace(
-        config.trace,
-        start_s=config.trace_start_s,
-        duration_s=config.trace_duration_s,
-        conversation_count=config.trace_conversations,
-        max_requests=config.max_requests,
-    )
+    rows = serve.trace_rows(config)
     return serve.trace_requests(config, rows, CORPUS, max_context)[0]
 
 
